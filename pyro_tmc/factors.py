@@ -1,0 +1,152 @@
+"""From a (model trace, guide trace) pair drawn under ``tmc`` to named, packed log factors.
+
+One factor per model sample site (Aitchison 2019, appendix "Typical choice of
+factors for a directed graphical model"):
+
+- observed site: ``log p(x | parents)``;
+- sampled latent: ``log p(z^k | parents) - log q(z^k) - log K``, where ``q`` is
+  the density that drew particle ``k``, indexed by ``k`` alone
+  (:func:`pyro_tmc.proposals.proposal_log_prob`): the guide's for guide sites,
+  the model's own conditional for model-only sites;
+- exactly enumerated latent: ``log p(z | parents)`` (uniform proposal over the
+  support, stratified: ``q = 1/K`` cancels ``1/K``).
+
+Dims are packed (``._pyro_dims``) with the symbols Pyro's traces assign.
+"""
+
+import math
+from typing import Dict, List, NamedTuple, Optional
+
+import torch
+from pyro.distributions.util import scale_and_mask
+from pyro.ops.packed import pack
+from pyro.poutine import Trace
+
+from .proposals import ParticleDraw, proposal_log_prob
+
+VARIANCE_REDUCTIONS = (None, "stl", "dregs")
+
+
+class LogFactor(NamedTuple):
+    """A packed log factor and the site it came from (for error messages)."""
+
+    site: str
+    tensor: torch.Tensor
+
+
+def check_variance_reduction(variance_reduction: Optional[str]) -> Optional[str]:
+    """:raises ValueError: unless ``variance_reduction`` is one of :data:`VARIANCE_REDUCTIONS`."""
+    if variance_reduction not in VARIANCE_REDUCTIONS:
+        raise ValueError(
+            f"Unknown variance_reduction {variance_reduction!r}: expected None, 'stl' or 'dregs'."
+        )
+    return variance_reduction
+
+
+def symbolize(model_trace: Trace, guide_trace: Trace) -> None:
+    """Give every dim of both traces a packed symbol, consistently across the two."""
+    guide_trace.symbolize_dims()
+    model_trace.symbolize_dims(guide_trace.plate_to_symbol)
+
+
+def plate_scales(model_trace: Trace) -> Dict[str, float]:
+    """Plate symbol -> subsampling scale (full size / subsample size) of every vectorised plate."""
+    scales = {}
+    for site in model_trace.nodes.values():
+        if site["type"] != "sample":
+            continue
+        for frame in site["cond_indep_stack"]:
+            if frame.vectorized:
+                full_size = frame.full_size if frame.full_size is not None else frame.size
+                symbol = model_trace.plate_to_symbol[frame.name]
+                scales[symbol] = float(full_size) / float(frame.size)
+    return scales
+
+
+def _site_plate_scale(site) -> float:
+    scale = 1.0
+    for frame in site["cond_indep_stack"]:
+        if frame.vectorized and frame.full_size is not None:
+            scale *= float(frame.full_size) / float(frame.size)
+    return scale
+
+
+def _log_prob(site, value=None) -> torch.Tensor:
+    fn = site["fn"]
+    try:
+        return fn.log_prob(site["value"] if value is None else value, *site["args"], **site["kwargs"])
+    except ValueError as e:
+        raise ValueError(f"Error while computing log_prob at site '{site['name']}': {e}") from e
+
+
+def proposal_site(name: str, model_trace: Trace, guide_trace: Trace):
+    """The site whose distribution drew the particles of latent ``name``."""
+    if name in guide_trace.nodes and guide_trace.nodes[name]["type"] == "sample":
+        return guide_trace.nodes[name]
+    return model_trace.nodes[name]
+
+
+def site_log_factor(name: str, model_trace: Trace, guide_trace: Trace) -> torch.Tensor:
+    """The packed log factor of model site ``name`` (see the module docstring)."""
+    site = model_trace.nodes[name]
+    log_factor = _log_prob(site)
+    # Plate subsampling is applied at the plate product (contraction.py); any
+    # other scale (poutine.scale) weights this site's log factor directly.
+    extra_scale = site["scale"] / _site_plate_scale(site)
+    draw: Optional[ParticleDraw] = None
+    if not site["is_observed"]:
+        q_site = proposal_site(name, model_trace, guide_trace)
+        draw = q_site["infer"].get("_tmc_draw")
+        if draw is not None:
+            log_q = proposal_log_prob(q_site["fn"], q_site["value"], draw)
+            if not q_site["fn"].has_rsample:
+                # DiCE: p/q with q stopped has the score-function gradient of an
+                # importance weight (the score of q cancels against -log q).
+                log_q = log_q.detach()
+            log_factor = log_factor - log_q
+    log_factor = scale_and_mask(log_factor, extra_scale, site["mask"])
+    if draw is not None:
+        log_factor = log_factor - math.log(draw.num_particles)
+    return pack(log_factor, site["infer"]["_dim_to_symbol"])
+
+
+def compute_log_factors(model_trace: Trace, guide_trace: Trace) -> List[LogFactor]:
+    """
+    Packed log factors of every model sample site.
+
+    :param Trace model_trace: the model run under ``tmc`` against the guide's
+        particles, with ``symbolize`` applied.
+    :param Trace guide_trace: the guide run under ``tmc``.
+    """
+    factors = []
+    for name, site in model_trace.nodes.items():
+        if site["type"] != "sample":
+            continue
+        factors.append(LogFactor(name, site_log_factor(name, model_trace, guide_trace)))
+    return factors
+
+
+def check_finite(factors: List[LogFactor], estimate: torch.Tensor) -> None:
+    """
+    If the estimate is not finite, find the site responsible.
+
+    :raises ValueError: naming the first site whose factor holds a NaN or
+        +inf, or is -inf everywhere.
+    """
+    if torch.isfinite(estimate).all():
+        return
+    for site, tensor in factors:
+        tensor = tensor.detach()
+        if torch.isnan(tensor).any():
+            raise ValueError(f"TMC factor of site '{site}' contains NaN: check its distribution's parameters.")
+        if torch.isposinf(tensor).any():
+            raise ValueError(f"TMC factor of site '{site}' contains +inf: check its log density.")
+        if tensor.numel() and (tensor == -math.inf).all():
+            raise ValueError(
+                f"TMC factor of site '{site}' is -inf for every particle: its value has zero "
+                "density under the model or the proposal (e.g. a value outside the support)."
+            )
+    raise ValueError(
+        f"The TMC estimate is {estimate.item()}, though every factor is finite somewhere: "
+        "no particle combination has positive weight. Try more particles or a better guide."
+    )

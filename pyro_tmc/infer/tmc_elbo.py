@@ -1,0 +1,180 @@
+"""TMC_ELBO: the Tensor Monte Carlo bound as a drop-in Pyro SVI loss. Orchestration only."""
+
+import warnings
+from typing import Iterator, Tuple
+
+import torch
+import pyro.poutine as poutine
+from pyro.infer.elbo import ELBO
+from pyro.infer.util import is_validation_enabled
+from pyro.poutine import Trace
+from pyro.poutine.util import prune_subsample_sites
+from pyro.util import check_model_guide_match, warn_if_nan
+
+from ..contraction import contract_log_factors
+from ..factors import (
+    check_finite,
+    check_variance_reduction,
+    compute_log_factors,
+    plate_scales,
+    symbolize,
+)
+from ..poutine import TMCMessenger
+from ..poutine.tmc_messenger import check_num_samples
+from ..proposals import check_proposal
+
+
+def latent_site_names(trace: Trace):
+    """Names of the unobserved sample sites of a trace."""
+    return [
+        name
+        for name, site in trace.nodes.items()
+        if site["type"] == "sample" and not site["is_observed"]
+    ]
+
+
+class TMC_ELBO(ELBO):
+    """
+    The Tensor Monte Carlo estimate of log p(x) [1] as a Pyro loss.
+
+    Every latent site of the guide, and every latent site of the model that the
+    guide lacks, is drawn K times (``infer={"num_samples": K_i}`` per site, else
+    ``num_samples``). The estimate averages p(x, z)/q(z) over all prod_i K_i
+    combinations of particles,
+
+        P_TMC = 1/prod_i K_i sum_{k_1..k_n} p(x, z_1^{k_1}, ..., z_n^{k_n}) / prod_i q(z_i^{k_i}),
+
+    by tensor contraction in log space, with plates nested and subsampled and
+    :func:`pyro.markov` honoured. ``E[P_TMC] = p(x)``, so ``-log P_TMC`` is a
+    stochastic upper bound on ``-log p(x)`` in expectation, for factorised and
+    non-factorised guides alike: a site whose proposal depends on upstream
+    particles gets a proposal density indexed by its own particle alone (see
+    :mod:`pyro_tmc.proposals`). Unlike :class:`pyro.infer.TraceTMC_ELBO`, no
+    ``config_enumerate`` is needed.
+
+    Model sites absent from the guide are drawn from the model's conditional;
+    model sites marked ``infer={"enumerate": "parallel"}`` without
+    ``num_samples`` are summed exactly over their support.
+
+    Example::
+
+        elbo = TMC_ELBO(num_samples=16, max_plate_nesting=1)
+        svi = SVI(model, guide, pyro.optim.Adam({"lr": 1e-2}), loss=elbo)
+        svi.step(data)
+
+    :param int num_samples: K, the particles of every latent site that does not set its own.
+    :param int max_plate_nesting: as in every Pyro ELBO; guessed from a first run if omitted.
+    :param str proposal: ``"mixture"``, ``"permutation"`` or ``"diagonal"``: how a
+        site whose proposal depends on upstream particles draws its own.
+    :param str variance_reduction: ``None``, ``"stl"`` or ``"dregs"``.
+    :param int num_particles: independent TMC estimates averaged in the loss.
+    :param bool vectorize_particles: compute those estimates in one vectorised pass.
+
+    References
+
+    [1] `Tensor Monte Carlo: Particle Methods for the GPU Era`,
+        Laurence Aitchison (NeurIPS 2019)
+    """
+
+    def __init__(
+        self,
+        num_samples: int = 8,
+        max_plate_nesting: float = float("inf"),
+        proposal: str = "mixture",
+        variance_reduction=None,
+        num_particles: int = 1,
+        vectorize_particles: bool = False,
+        **kwargs,
+    ) -> None:
+        self.num_samples = check_num_samples(num_samples, "TMC_ELBO")
+        self.proposal = check_proposal(proposal)
+        self.variance_reduction = check_variance_reduction(variance_reduction)
+        check_num_samples(num_particles, "TMC_ELBO(num_particles)")
+        super().__init__(
+            num_particles=num_particles,
+            max_plate_nesting=max_plate_nesting,
+            vectorize_particles=vectorize_particles,
+            **kwargs,
+        )
+
+    # -- traces --------------------------------------------------------------
+
+    def _get_trace(self, model, guide, args, kwargs) -> Tuple[Trace, Trace]:
+        """One guide trace under ``tmc`` and the model run against its particles."""
+        guide_tmc = TMCMessenger(
+            self.num_samples, self.proposal, first_available_dim=-1 - self.max_plate_nesting
+        )
+        guide_trace = poutine.trace(guide_tmc(guide)).get_trace(*args, **kwargs)
+        # The model's handler continues the guide's dim allocation, and sits
+        # inside the replay so that it sees the model's own markov scopes.
+        model_tmc = TMCMessenger(
+            self.num_samples,
+            self.proposal,
+            replayed_sites=latent_site_names(guide_trace),
+            continue_allocation=True,
+        )
+        model_trace = poutine.trace(
+            poutine.replay(model_tmc(model), trace=guide_trace)
+        ).get_trace(*args, **kwargs)
+        if is_validation_enabled():
+            check_model_guide_match(model_trace, guide_trace, self.max_plate_nesting)
+        guide_trace = prune_subsample_sites(guide_trace)
+        model_trace = prune_subsample_sites(model_trace)
+        symbolize(model_trace, guide_trace)
+        return model_trace, guide_trace
+
+    def _get_traces(self, model, guide, args, kwargs) -> Iterator[Tuple[Trace, Trace]]:
+        if self.max_plate_nesting == float("inf"):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                self._guess_max_plate_nesting(model, guide, args, kwargs)
+        if self.vectorize_particles:
+            model = self._vectorized_num_particles(model)
+            guide = self._vectorized_num_particles(guide)
+            yield self._get_trace(model, guide, args, kwargs)
+        else:
+            for _ in range(self.num_particles):
+                yield self._get_trace(model, guide, args, kwargs)
+
+    # -- the estimate --------------------------------------------------------
+
+    def _log_estimate(self, model_trace: Trace, guide_trace: Trace) -> torch.Tensor:
+        """log P_TMC of one draw (summed over vectorised repetitions)."""
+        factors = compute_log_factors(model_trace, guide_trace)
+        estimate = contract_log_factors([f.tensor for f in factors], plate_scales(model_trace))
+        check_finite(factors, estimate)
+        return estimate
+
+    def differentiable_loss(self, model, guide, *args, **kwargs) -> torch.Tensor:
+        """
+        :returns: ``-log P_TMC``, averaged over ``num_particles`` independent
+            draws; differentiable.
+        :rtype: torch.Tensor
+        """
+        total = 0.0
+        for model_trace, guide_trace in self._get_traces(model, guide, args, kwargs):
+            total = total + self._log_estimate(model_trace, guide_trace)
+        loss = -total / self.num_particles
+        warn_if_nan(loss, "loss")
+        return loss
+
+    def loss(self, model, guide, *args, **kwargs) -> float:
+        """:returns: ``-log P_TMC`` as a float (no gradients)."""
+        with torch.no_grad():
+            return self.differentiable_loss(model, guide, *args, **kwargs).item()
+
+    def loss_and_grads(self, model, guide, *args, **kwargs) -> float:
+        """Computes ``-log P_TMC``, backpropagates it, and returns it as a float."""
+        loss = self.differentiable_loss(model, guide, *args, **kwargs)
+        if loss.requires_grad:
+            loss.backward(retain_graph=self.retain_graph)
+        return loss.item()
+
+    def log_evidence(self, model, guide, *args, **kwargs) -> torch.Tensor:
+        """
+        :returns: the scalar ``log P_TMC`` of one draw (averaged over
+            ``num_particles`` draws when that is above 1), detached.
+        :rtype: torch.Tensor
+        """
+        with torch.no_grad():
+            return -self.differentiable_loss(model, guide, *args, **kwargs)

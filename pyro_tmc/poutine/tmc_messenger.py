@@ -1,0 +1,189 @@
+"""The ``tmc`` handler: a K-sized particle dimension for every latent sample site."""
+
+import numbers
+from typing import Callable, Collection, Dict, Optional
+
+import torch
+from pyro.distributions.torch_distribution import TorchDistributionMixin
+from pyro.poutine.enum_messenger import EnumMessenger
+from pyro.poutine.handlers import _make_handler
+from pyro.poutine.runtime import _ENUM_ALLOCATOR, Message
+
+from ..proposals import ParticleDraw, check_proposal, draw_particles
+
+#: PyTorch tensors hold at most this many dims; particle dims beyond it cannot exist.
+MAX_TENSOR_DIMS = 64
+#: Where particle dims start when ``first_available_dim`` is not given and no
+#: allocation is under way: left of this many plate dims.
+DEFAULT_MAX_PLATE_NESTING = 4
+
+
+def check_num_samples(num_samples, where: str) -> int:
+    """
+    :returns: ``num_samples`` if it is a positive integer.
+    :raises ValueError: naming ``where`` otherwise.
+    """
+    if (
+        isinstance(num_samples, bool)
+        or not isinstance(num_samples, numbers.Integral)
+        or num_samples < 1
+    ):
+        raise ValueError(
+            f"{where}: num_samples must be a positive integer, got {num_samples!r}. "
+            "Pass an int >= 1 (e.g. infer={'num_samples': 16})."
+        )
+    return int(num_samples)
+
+
+def is_exactly_enumerated(msg: Message) -> bool:
+    """
+    Whether a latent site is summed exactly over its support rather than sampled:
+    marked ``infer={"enumerate": "parallel"}`` without ``num_samples``, with a
+    distribution that has enumerable support.
+    """
+    infer = msg["infer"]
+    return (
+        infer.get("enumerate") == "parallel"
+        and "num_samples" not in infer
+        and msg["fn"].has_enumerate_support
+    )
+
+
+class TMCMessenger(EnumMessenger):
+    """
+    Gives every latent sample site a particle dimension, allocated left of the
+    plate dims by Pyro's enumeration-dim allocator (so :func:`pyro.markov`
+    recycles them), and records in ``site["infer"]`` what
+    :class:`~pyro_tmc.TMC_ELBO` needs to contract:
+
+    - ``"_enumerate_dim"`` and ``"_dim_to_id"``: the particle dim and the dims
+      the value carries, as :class:`~pyro.poutine.enum_messenger.EnumMessenger`
+      records them;
+    - ``"_tmc_draw"``: a :class:`~pyro_tmc.proposals.ParticleDraw` for sampled
+      sites, from which the proposal density indexed by the particle alone is
+      computed.
+
+    A site draws ``infer["num_samples"]`` particles if it sets it, else
+    ``num_samples``. A site whose distribution depends on upstream particles
+    draws them by ``proposal`` (see :mod:`pyro_tmc.proposals`). A site marked
+    ``infer={"enumerate": "parallel"}`` without ``num_samples`` whose
+    distribution has enumerable support is enumerated over its support instead
+    (exact marginalisation).
+
+    :param int num_samples: K for sites that do not set their own.
+    :param str proposal: ``"mixture"``, ``"permutation"`` or ``"diagonal"``.
+    :param int first_available_dim: the rightmost dim available for particles,
+        e.g. ``-1 - max_plate_nesting``. If ``None``, allocation continues where
+        an enclosing TMC run left it when ``continue_allocation`` is set, and
+        otherwise starts at ``-1 - DEFAULT_MAX_PLATE_NESTING``.
+    :param replayed_sites: names of sites whose values a replay handler will
+        supply (the guide's latents, when this handler wraps the model); they
+        get no particles of their own.
+    :param bool continue_allocation: continue the allocator's state (used for
+        the model after the guide has been run).
+
+    Reference: Aitchison, L. (2019) "Tensor Monte Carlo: Particle Methods for
+    the GPU Era", NeurIPS.
+    """
+
+    def __init__(
+        self,
+        num_samples: int = 8,
+        proposal: str = "mixture",
+        first_available_dim: Optional[int] = None,
+        replayed_sites: Collection[str] = (),
+        continue_allocation: bool = False,
+    ) -> None:
+        self.num_samples = check_num_samples(num_samples, "tmc")
+        self.proposal = check_proposal(proposal)
+        if first_available_dim is None and not continue_allocation:
+            first_available_dim = -1 - DEFAULT_MAX_PLATE_NESTING
+        if first_available_dim is not None and first_available_dim >= 0:
+            raise ValueError(
+                f"first_available_dim must be negative (left of the plate dims), got {first_available_dim}."
+            )
+        super().__init__(first_available_dim)
+        self.replayed_sites = frozenset(replayed_sites)
+
+    def _record_scope(self, msg: Message) -> Dict[int, int]:
+        """Markov bookkeeping, as EnumMessenger does it: the dims upstream of this site."""
+        scope = msg["infer"].get("_markov_scope")
+        param_dims = _ENUM_ALLOCATOR.dim_to_id.copy()
+        if scope is not None:
+            for name, depth in scope.items():
+                if self._markov_depths.get(name) == depth:
+                    param_dims.update(self._value_dims[name])
+            self._markov_depths[msg["name"]] = msg["infer"]["_markov_depth"]
+        self._param_dims[msg["name"]] = param_dims
+        return param_dims
+
+    def _pyro_sample(self, msg: Message) -> None:
+        if not isinstance(msg["fn"], TorchDistributionMixin):
+            return
+        param_dims = self._record_scope(msg)
+        if msg["done"] or msg["is_observed"] or msg["name"] in self.replayed_sites:
+            return
+        if msg["infer"].get("enumerate") == "sequential":
+            raise NotImplementedError(
+                f"Site '{msg['name']}' asks for sequential enumeration, which TMC does not do. "
+                "Use infer={'enumerate': 'parallel'} to sum it exactly, or drop the flag to sample it."
+            )
+        scope = msg["infer"].get("_markov_scope")
+        target_dim, id_ = _ENUM_ALLOCATOR.allocate(None if scope is None else set(param_dims))
+        if -target_dim > MAX_TENSOR_DIMS:
+            raise ValueError(
+                f"Site '{msg['name']}' needs particle dim {target_dim}, but a tensor holds at most "
+                f"{MAX_TENSOR_DIMS} dims. Wrap sequential latents in pyro.markov (in the model "
+                "and the guide) so that particle dims are recycled."
+            )
+        if is_exactly_enumerated(msg):
+            value = _enumerate_support(msg["fn"], target_dim)
+        else:
+            value, draw = self._draw(msg, param_dims, target_dim)
+            msg["infer"]["_tmc_draw"] = draw
+
+        event_dim = msg["fn"].event_dim
+        value_dims = {
+            dim: param_dims[dim]
+            for dim in range(event_dim - value.dim(), 0)
+            if value.size(dim - event_dim) > 1 and dim in param_dims
+        }
+        value_dims[target_dim] = id_
+        msg["infer"]["_enumerate_dim"] = target_dim
+        msg["infer"]["_dim_to_id"] = value_dims
+        msg["value"] = value
+        msg["done"] = True
+
+    def _draw(self, msg: Message, param_dims: Dict[int, int], target_dim: int):
+        fn = msg["fn"]
+        name = msg["name"]
+        num_particles = check_num_samples(
+            msg["infer"].get("num_samples", self.num_samples), f"Site '{name}'"
+        )
+        batch_shape = fn.batch_shape
+        parent_dims = tuple(
+            d for d in range(-len(batch_shape), 0) if batch_shape[d] > 1 and d in param_dims
+        )
+        return draw_particles(name, fn, num_particles, self.proposal, parent_dims, target_dim)
+
+
+def _enumerate_support(fn, target_dim: int) -> torch.Tensor:
+    """The support of ``fn`` with its values along ``target_dim``."""
+    value = fn.enumerate_support(expand=False)
+    support = getattr(value, "_pyro_categorical_support", None)
+    value = value.reshape(value.shape[:1] + (1,) * (-target_dim - 1) + fn.event_shape)
+    if support is not None:
+        value._pyro_categorical_support = support  # keeps Categorical.log_prob fast
+    return value
+
+
+@_make_handler(TMCMessenger, module="pyro_tmc.poutine")
+def tmc(  # type: ignore[empty-body]
+    fn: Optional[Callable] = None,
+    num_samples: int = 8,
+    proposal: str = "mixture",
+    first_available_dim: Optional[int] = None,
+    replayed_sites: Collection[str] = (),
+    continue_allocation: bool = False,
+):
+    ...
