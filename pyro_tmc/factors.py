@@ -86,8 +86,22 @@ def proposal_site(name: str, model_trace: Trace, guide_trace: Trace):
     return model_trace.nodes[name]
 
 
-def site_log_factor(name: str, model_trace: Trace, guide_trace: Trace) -> torch.Tensor:
-    """The packed log factor of model site ``name`` (see the module docstring)."""
+def site_log_factor(
+    name: str,
+    model_trace: Trace,
+    guide_trace: Trace,
+    source: Optional[torch.Tensor] = None,
+    detach_guide_proposal: bool = False,
+) -> torch.Tensor:
+    """
+    The packed log factor of model site ``name`` (see the module docstring).
+
+    :param torch.Tensor source: an optional zero tensor added to the factor; the
+        gradient of log P_TMC with respect to it is the posterior marginal of the
+        site's particles (the autodiff identity of the alan library).
+    :param bool detach_guide_proposal: stop the gradient through the guide's
+        density (the path-gradient estimators take the guide's gradient elsewhere).
+    """
     site = model_trace.nodes[name]
     log_factor = _log_prob(site)
     # Plate subsampling is applied at the plate product (contraction.py); any
@@ -99,7 +113,7 @@ def site_log_factor(name: str, model_trace: Trace, guide_trace: Trace) -> torch.
         draw = q_site["infer"].get("_tmc_draw")
         if draw is not None:
             log_q = proposal_log_prob(q_site["fn"], q_site["value"], draw)
-            if not q_site["fn"].has_rsample:
+            if not q_site["fn"].has_rsample or (detach_guide_proposal and q_site is not site):
                 # DiCE: p/q with q stopped has the score-function gradient of an
                 # importance weight (the score of q cancels against -log q).
                 log_q = log_q.detach()
@@ -107,23 +121,47 @@ def site_log_factor(name: str, model_trace: Trace, guide_trace: Trace) -> torch.
     log_factor = scale_and_mask(log_factor, extra_scale, site["mask"])
     if draw is not None:
         log_factor = log_factor - math.log(draw.num_particles)
+    if source is not None:
+        log_factor = log_factor + source
     return pack(log_factor, site["infer"]["_dim_to_symbol"])
 
 
-def compute_log_factors(model_trace: Trace, guide_trace: Trace) -> List[LogFactor]:
+def compute_log_factors(
+    model_trace: Trace,
+    guide_trace: Trace,
+    sources: Optional[Dict[str, torch.Tensor]] = None,
+    detach_guide_proposals: bool = False,
+) -> List[LogFactor]:
     """
     Packed log factors of every model sample site.
 
     :param Trace model_trace: the model run under ``tmc`` against the guide's
         particles, with ``symbolize`` applied.
     :param Trace guide_trace: the guide run under ``tmc``.
+    :param dict sources: site name -> zero tensor added to that site's factor.
+    :param bool detach_guide_proposals: see :func:`site_log_factor`.
     """
+    sources = {} if sources is None else sources
     factors = []
     for name, site in model_trace.nodes.items():
         if site["type"] != "sample":
             continue
-        factors.append(LogFactor(name, site_log_factor(name, model_trace, guide_trace)))
+        tensor = site_log_factor(
+            name, model_trace, guide_trace, sources.get(name), detach_guide_proposals
+        )
+        factors.append(LogFactor(name, tensor))
     return factors
+
+
+def particle_shape(site) -> torch.Size:
+    """The shape of a latent site's particle dim and plates: its value without the event dims."""
+    value = site["value"]
+    return value.shape[: value.dim() - site["fn"].event_dim]
+
+
+def plate_scale_of(site) -> float:
+    """The product of the subsampling scales of the site's plates."""
+    return _site_plate_scale(site)
 
 
 def check_finite(factors: List[LogFactor], estimate: torch.Tensor) -> None:

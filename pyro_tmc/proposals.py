@@ -55,9 +55,9 @@ class ParticleDraw:
     :param str strategy: the proposal strategy used for the parent dims.
     :param tuple parent_dims: the upstream particle dims (negative, relative to the
         right of the site's batch shape) on which the site's distribution depends.
-    :param Distribution thin_fn: the distribution indexed by the ancestors (its
-        batch holds K particles, no parent dims), or ``None`` when the site has no
-        parents or its parameters could not be indexed.
+    :param bool thin: whether the particles were drawn from the distribution
+        indexed by their ancestors (K draws), rather than by the fallback that
+        draws one particle per parent combination and keeps K.
     :param dict ancestors: parent dim -> LongTensor of shape ``(K,)``, the
         ancestor of each particle.
     :param int target_dim: the particle dim of this site.
@@ -66,7 +66,7 @@ class ParticleDraw:
     num_particles: int
     strategy: str
     parent_dims: Tuple[int, ...]
-    thin_fn: Optional[Distribution]
+    thin: bool
     ancestors: Dict[int, torch.Tensor]
     target_dim: int
 
@@ -196,7 +196,7 @@ def draw_particles(
     if not parent_dims:
         value = fn(sample_shape=torch.Size([num_particles]))
         value = _place_particle_dim(value, batch_shape, event_shape, target_dim)
-        return value, ParticleDraw(num_particles, strategy, (), None, {}, target_dim)
+        return value, ParticleDraw(num_particles, strategy, (), True, {}, target_dim)
 
     parent_sizes = {d: batch_shape[d] for d in parent_dims}
     device = _device_of(fn)
@@ -210,7 +210,9 @@ def draw_particles(
         picks = dict(ancestors)
         picks[-1 - len(batch_shape)] = torch.arange(num_particles, device=device)
         value = _select_particles(fat, 1 + len(batch_shape), picks, target_dim)
-    draw = ParticleDraw(num_particles, strategy, tuple(parent_dims), thin_fn, ancestors, target_dim)
+    draw = ParticleDraw(
+        num_particles, strategy, tuple(parent_dims), thin_fn is not None, ancestors, target_dim
+    )
     return value, draw
 
 
@@ -252,8 +254,11 @@ def proposal_log_prob(
     if not draw.parent_dims:
         return fn.log_prob(value)
     if draw.strategy == "diagonal":
-        if draw.thin_fn is not None:
-            return draw.thin_fn.log_prob(value)
+        # Index the parameters afresh (not a cached copy): ``fn`` may have been
+        # recomputed from other parent values, as the path-gradient estimators do.
+        thin_fn = _index_params(fn, draw.ancestors, draw.target_dim)
+        if thin_fn is not None:
+            return thin_fn.log_prob(value)
         log_q = fn.log_prob(value)
         picks = {d: draw.ancestors[d] for d in draw.parent_dims}
         picks[draw.target_dim] = torch.arange(draw.num_particles, device=value.device)

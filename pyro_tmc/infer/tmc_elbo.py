@@ -16,12 +16,21 @@ from ..factors import (
     check_finite,
     check_variance_reduction,
     compute_log_factors,
+    particle_shape,
+    plate_scale_of,
     plate_scales,
     symbolize,
 )
 from ..poutine import TMCMessenger
 from ..poutine.tmc_messenger import check_num_samples
 from ..proposals import check_proposal
+from .path_gradients import (
+    check_factorised,
+    marginal_sources,
+    path_surrogate,
+    reparameterised_latents,
+    with_leaf_values,
+)
 
 
 def latent_site_names(trace: Trace):
@@ -99,12 +108,14 @@ class TMC_ELBO(ELBO):
 
     # -- traces --------------------------------------------------------------
 
-    def _get_trace(self, model, guide, args, kwargs) -> Tuple[Trace, Trace]:
-        """One guide trace under ``tmc`` and the model run against its particles."""
+    def _run_guide(self, guide, args, kwargs) -> Trace:
         guide_tmc = TMCMessenger(
             self.num_samples, self.proposal, first_available_dim=-1 - self.max_plate_nesting
         )
-        guide_trace = poutine.trace(guide_tmc(guide)).get_trace(*args, **kwargs)
+        return poutine.trace(guide_tmc(guide)).get_trace(*args, **kwargs)
+
+    def _run_model(self, model, guide_trace, args, kwargs) -> Trace:
+        """The model against the guide's particles (latents it alone has get their own)."""
         # The model's handler continues the guide's dim allocation, and sits
         # inside the replay so that it sees the model's own markov scopes.
         model_tmc = TMCMessenger(
@@ -113,9 +124,11 @@ class TMC_ELBO(ELBO):
             replayed_sites=latent_site_names(guide_trace),
             continue_allocation=True,
         )
-        model_trace = poutine.trace(
-            poutine.replay(model_tmc(model), trace=guide_trace)
-        ).get_trace(*args, **kwargs)
+        return poutine.trace(poutine.replay(model_tmc(model), trace=guide_trace)).get_trace(
+            *args, **kwargs
+        )
+
+    def _finish(self, model_trace: Trace, guide_trace: Trace) -> Tuple[Trace, Trace]:
         if is_validation_enabled():
             check_model_guide_match(model_trace, guide_trace, self.max_plate_nesting)
         guide_trace = prune_subsample_sites(guide_trace)
@@ -123,27 +136,70 @@ class TMC_ELBO(ELBO):
         symbolize(model_trace, guide_trace)
         return model_trace, guide_trace
 
-    def _get_traces(self, model, guide, args, kwargs) -> Iterator[Tuple[Trace, Trace]]:
+    def _get_trace(self, model, guide, args, kwargs) -> Tuple[Trace, Trace]:
+        """One guide trace under ``tmc`` and the model run against its particles."""
+        guide_trace = self._run_guide(guide, args, kwargs)
+        model_trace = self._run_model(model, guide_trace, args, kwargs)
+        return self._finish(model_trace, guide_trace)
+
+    def _vectorized(self, model, guide, args, kwargs):
         if self.max_plate_nesting == float("inf"):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 self._guess_max_plate_nesting(model, guide, args, kwargs)
         if self.vectorize_particles:
-            model = self._vectorized_num_particles(model)
-            guide = self._vectorized_num_particles(guide)
+            return self._vectorized_num_particles(model), self._vectorized_num_particles(guide), 1
+        return model, guide, self.num_particles
+
+    def _get_traces(self, model, guide, args, kwargs) -> Iterator[Tuple[Trace, Trace]]:
+        model, guide, repeats = self._vectorized(model, guide, args, kwargs)
+        for _ in range(repeats):
             yield self._get_trace(model, guide, args, kwargs)
-        else:
-            for _ in range(self.num_particles):
-                yield self._get_trace(model, guide, args, kwargs)
 
     # -- the estimate --------------------------------------------------------
 
-    def _log_estimate(self, model_trace: Trace, guide_trace: Trace) -> torch.Tensor:
+    def _log_estimate(
+        self, model_trace: Trace, guide_trace: Trace, sources=None, detach_guide_proposals=False
+    ) -> torch.Tensor:
         """log P_TMC of one draw (summed over vectorised repetitions)."""
-        factors = compute_log_factors(model_trace, guide_trace)
+        factors = compute_log_factors(model_trace, guide_trace, sources, detach_guide_proposals)
         estimate = contract_log_factors([f.tensor for f in factors], plate_scales(model_trace))
         check_finite(factors, estimate)
         return estimate
+
+    def _path_gradient_surrogate(self, model, guide, args, kwargs) -> torch.Tensor:
+        """
+        log P_TMC of one draw, whose gradient is the plain one for the model's
+        parameters and the STL / DReGs one for the guide's (see
+        :mod:`pyro_tmc.infer.path_gradients`).
+        """
+        live_trace = self._run_guide(guide, args, kwargs)
+        names = reparameterised_latents(live_trace, self.variance_reduction)
+        if self.variance_reduction == "dregs":
+            check_factorised(live_trace, names)
+        leaf_trace, leaves = with_leaf_values(live_trace, names)
+        guide_trace = poutine.trace(poutine.replay(guide, trace=leaf_trace)).get_trace(*args, **kwargs)
+        model_trace = self._run_model(model, guide_trace, args, kwargs)
+        model_trace, guide_trace = self._finish(model_trace, guide_trace)
+
+        sources = {}
+        if self.variance_reduction == "dregs":
+            sources = marginal_sources(model_trace, names, particle_shape)
+        log_p = self._log_estimate(model_trace, guide_trace, sources)
+        inputs = list(leaves.values()) + list(sources.values())
+        grads = torch.autograd.grad(log_p, inputs, allow_unused=True)
+        value_grads = dict(zip(leaves, grads[: len(leaves)]))
+        weights = event_dims = None
+        if sources:
+            weights = {
+                name: _zero_if_none(grad, sources[name]) / plate_scale_of(model_trace.nodes[name])
+                for name, grad in zip(sources, grads[len(leaves):])
+            }
+            event_dims = {name: live_trace.nodes[name]["fn"].event_dim for name in names}
+        live_values = {name: live_trace.nodes[name]["value"] for name in names}
+        # Model parameters: log P with the guide's density stopped and its particles as leaves.
+        plain = self._log_estimate(model_trace, guide_trace, detach_guide_proposals=True)
+        return plain + path_surrogate(live_values, value_grads, weights, event_dims)
 
     def differentiable_loss(self, model, guide, *args, **kwargs) -> torch.Tensor:
         """
@@ -152,8 +208,13 @@ class TMC_ELBO(ELBO):
         :rtype: torch.Tensor
         """
         total = 0.0
-        for model_trace, guide_trace in self._get_traces(model, guide, args, kwargs):
-            total = total + self._log_estimate(model_trace, guide_trace)
+        if self.variance_reduction is None or not torch.is_grad_enabled():
+            for model_trace, guide_trace in self._get_traces(model, guide, args, kwargs):
+                total = total + self._log_estimate(model_trace, guide_trace)
+        else:
+            model, guide, repeats = self._vectorized(model, guide, args, kwargs)
+            for _ in range(repeats):
+                total = total + self._path_gradient_surrogate(model, guide, args, kwargs)
         loss = -total / self.num_particles
         warn_if_nan(loss, "loss")
         return loss
@@ -178,3 +239,7 @@ class TMC_ELBO(ELBO):
         """
         with torch.no_grad():
             return -self.differentiable_loss(model, guide, *args, **kwargs)
+
+
+def _zero_if_none(grad, like):
+    return torch.zeros_like(like) if grad is None else grad
