@@ -242,6 +242,25 @@ def make_loopy_guide(x=LOOPY_X, widen=1.5):
     return loopy_guide
 
 
+def loopy_tmc_reference(K, R, generator=None, x=LOOPY_X, widen=1.5):
+    """Hand-written TMC for the loopy graph with the factorised guide: the average over
+    all K^4 particle combinations by one einsum over the five factors.  Shape (R,)."""
+    locs, scales = loopy_guide_params(x, widen)
+    z = [float(m) + float(s) * torch.randn(R, K, dtype=torch.float64, generator=generator) for m, s in zip(locs, scales)]
+    logq = [_normal_logpdf(zz, float(m), float(s) ** 2) for zz, m, s in zip(z, locs, scales)]
+    factors = [
+        _normal_logpdf(z[0], 0.0, 1.0) - logq[0],  # [r, a]
+        _normal_logpdf(z[1][:, None, :], z[0][:, :, None], 1.0) - logq[1][:, None, :],  # [r, a, b]
+        _normal_logpdf(z[2][:, None, :], z[0][:, :, None], 1.0) - logq[2][:, None, :],  # [r, a, c]
+        _normal_logpdf(z[3][:, None, :], z[1][:, :, None], 1.0) - logq[3][:, None, :],  # [r, b, d]
+        _normal_logpdf(x, z[2][:, :, None] + z[3][:, None, :], 1.0),  # [r, c, d]
+    ]
+    shifts = [f.flatten(1).max(-1).values for f in factors]
+    exps = [torch.exp(f - c.view((-1,) + (1,) * (f.dim() - 1))) for f, c in zip(factors, shifts)]
+    P = torch.einsum("ra,rab,rac,rbd,rcd->r", *exps)
+    return torch.log(P) + sum(shifts) - 4 * math.log(K)
+
+
 # --------------------------------------------------------------------------- #
 # (c) the chain of the paper's Fig. 4: z_0 = 0, z_i ~ N(z_{i-1}, 1/N), x ~ N(z_N, 1)
 # --------------------------------------------------------------------------- #
@@ -342,6 +361,30 @@ def nonfact_guide(x):
     pyro.sample("z1", dist.Normal(0.8 * z0 + 0.6, 0.9))
 
 
+def nonfact_tmc_reference(K, R, proposal="mixture", generator=None, x=NONFACT_X):
+    """Hand-written TMC for (d): z0^a ~ q(z0); z1^b ~ q(z1 | z0^{anc(b)}) with the
+    ancestor scheme of ``proposal``; z1^b is scored by the mixture over all z0
+    particles ("mixture"/"permutation") or by q(z1 | z0^b) ("diagonal").  Shape (R,)."""
+    z0 = 0.5 + torch.randn(R, K, dtype=torch.float64, generator=generator)
+    if proposal == "diagonal":
+        anc = torch.arange(K).expand(R, K)
+    elif proposal == "permutation":
+        anc = torch.argsort(torch.rand(R, K, generator=generator), -1)
+    elif proposal == "mixture":
+        anc = torch.randint(K, (R, K), generator=generator)
+    else:
+        raise ValueError(proposal)
+    z1 = 0.8 * z0.gather(-1, anc) + 0.6 + 0.9 * torch.randn(R, K, dtype=torch.float64, generator=generator)
+    pair = _normal_logpdf(z1[:, :, None], 0.8 * z0[:, None, :] + 0.6, 0.81)  # [r, b, a]
+    logq1 = pair.diagonal(dim1=-2, dim2=-1) if proposal == "diagonal" else _logmeanexp(pair, -1)
+    f = (
+        (_normal_logpdf(z0, 0.0, 1.0) - _normal_logpdf(z0, 0.5, 1.0))[:, None, :]
+        + _normal_logpdf(z1[:, :, None], z0[:, None, :], 1.0)
+        + (_normal_logpdf(x, z1, 1.0) - logq1)[:, :, None]
+    )
+    return torch.logsumexp(f.flatten(1), -1) - 2 * math.log(K)
+
+
 # --------------------------------------------------------------------------- #
 # (e) exact marginalisation of a discrete site: c ~ Cat(pi), [z ~ N(mu_c, 1)], x ~ N(., 1)
 # --------------------------------------------------------------------------- #
@@ -376,3 +419,14 @@ def discrete_guide(x):
 
 def empty_guide(*args, **kwargs):
     pass
+
+
+def discrete_tmc_reference(K, R, generator=None, x=MIX_X):
+    """Hand-written TMC for the discrete model with z: c summed exactly, z^k from the
+    guide N(0.5, 2.5^2).  Shape (R,)."""
+    z = 0.5 + 2.5 * torch.randn(R, K, 1, dtype=torch.float64, generator=generator)
+    log_pi = torch.tensor(MIX_PROBS, dtype=torch.float64).log()
+    mu = torch.tensor(MIX_LOCS, dtype=torch.float64)
+    f = torch.logsumexp(log_pi + _normal_logpdf(z, mu, 1.0), -1)
+    f = f + _normal_logpdf(x, z[..., 0], 1.0) - _normal_logpdf(z[..., 0], 0.5, 6.25)
+    return _logmeanexp(f, -1)

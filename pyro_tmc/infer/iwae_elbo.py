@@ -12,6 +12,7 @@ from pyro.util import warn_if_nan
 
 from ..factors import check_variance_reduction
 from ..poutine.tmc_messenger import check_num_samples
+from .path_gradients import path_surrogate, with_leaf_values
 
 _SAMPLE_PLATE = "_iwae_samples"
 _REPEAT_PLATE = "_iwae_repetitions"
@@ -51,8 +52,6 @@ class IWAE_ELBO(ELBO):
     ) -> None:
         self.num_samples = check_num_samples(num_samples, "IWAE_ELBO")
         self.variance_reduction = check_variance_reduction(variance_reduction)
-        if variance_reduction is not None:
-            raise NotImplementedError("IWAE_ELBO: variance_reduction is not available yet; use None.")
         super().__init__(num_particles=num_particles, max_plate_nesting=max_plate_nesting, **kwargs)
         self.vectorize_particles = vectorize_particles
 
@@ -95,25 +94,68 @@ class IWAE_ELBO(ELBO):
             log_w = log_w - self._per_sample(log_q)
         return log_w
 
-    def _log_bound(self, model, guide, args, kwargs) -> torch.Tensor:
-        """The bound, averaged over ``num_particles`` repetitions."""
+    def _guess_plates(self, model, guide, args, kwargs) -> None:
         if self.max_plate_nesting == float("inf"):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 self._guess_max_plate_nesting(model, guide, args, kwargs)
+
+    def _log_q(self, guide_trace, detach: bool = False):
+        log_q = {}
+        for name, site in guide_trace.nodes.items():
+            if site["type"] == "sample" and not site["is_observed"]:
+                _check_reparameterised(site, "in the guide")
+                log_q[name] = site["log_prob"].detach() if detach else site["log_prob"]
+        return log_q
+
+    def _plain_bound(self, model_trace, guide_trace) -> torch.Tensor:
+        model_trace.compute_log_prob()
+        guide_trace.compute_log_prob()
+        log_w = self._log_weights(model_trace, guide_trace, self._log_q(guide_trace))
+        return _log_mean_exp(log_w).sum()
+
+    def _path_gradient_bound(self, model, guide, args, kwargs, repetitions) -> torch.Tensor:
+        """The bound, with the STL / DReGs gradient for the guide's parameters."""
+        wrapped_guide = self._wrap(guide, repetitions)
+        live_trace = poutine.trace(wrapped_guide).get_trace(*args, **kwargs)
+        names = []
+        for name, site in live_trace.nodes.items():
+            if site["type"] == "sample" and not site["is_observed"] and not _is_subsample(site):
+                _check_reparameterised(site, "in the guide")
+                names.append(name)
+        leaf_trace, leaves = with_leaf_values(live_trace, names)
+        guide_trace = poutine.trace(poutine.replay(wrapped_guide, trace=leaf_trace)).get_trace(*args, **kwargs)
+        model_trace = poutine.trace(
+            poutine.replay(self._wrap(model, repetitions), trace=guide_trace)
+        ).get_trace(*args, **kwargs)
+        model_trace, guide_trace = prune_subsample_sites(model_trace), prune_subsample_sites(guide_trace)
+        model_trace.compute_log_prob()
+        guide_trace.compute_log_prob()
+
+        log_w = self._log_weights(model_trace, guide_trace, self._log_q(guide_trace))
+        grads = torch.autograd.grad(_log_mean_exp(log_w).sum(), list(leaves.values()), allow_unused=True)
+        weights = event_dims = None
+        if self.variance_reduction == "dregs":
+            # One latent (the joint sample): its marginal weight is the normalised weight.
+            normalised = torch.softmax(log_w.detach(), -1)
+            normalised = normalised.reshape(normalised.shape + (1,) * self.max_plate_nesting)
+            weights = {name: normalised for name in names}
+            event_dims = {name: live_trace.nodes[name]["fn"].event_dim for name in names}
+        live_values = {name: live_trace.nodes[name]["value"] for name in names}
+        plain_log_w = self._log_weights(model_trace, guide_trace, self._log_q(guide_trace, detach=True))
+        plain = _log_mean_exp(plain_log_w).sum()
+        return plain + path_surrogate(live_values, dict(zip(leaves, grads)), weights, event_dims)
+
+    def _log_bound(self, model, guide, args, kwargs) -> torch.Tensor:
+        """The bound, averaged over ``num_particles`` repetitions."""
+        self._guess_plates(model, guide, args, kwargs)
         repetitions = self.num_particles if self.vectorize_particles else 1
         total = 0.0
         for _ in range(1 if self.vectorize_particles else self.num_particles):
-            model_trace, guide_trace = self._traces(model, guide, args, kwargs, repetitions)
-            model_trace.compute_log_prob()
-            guide_trace.compute_log_prob()
-            log_q = {}
-            for name, site in guide_trace.nodes.items():
-                if site["type"] == "sample" and not site["is_observed"]:
-                    _check_reparameterised(site, "in the guide")
-                    log_q[name] = site["log_prob"]
-            log_w = self._log_weights(model_trace, guide_trace, log_q)
-            total = total + _log_mean_exp(log_w).sum()
+            if self.variance_reduction is not None and torch.is_grad_enabled():
+                total = total + self._path_gradient_bound(model, guide, args, kwargs, repetitions)
+            else:
+                total = total + self._plain_bound(*self._traces(model, guide, args, kwargs, repetitions))
         return total / self.num_particles
 
     def differentiable_loss(self, model, guide, *args, **kwargs) -> torch.Tensor:
@@ -142,6 +184,10 @@ class IWAE_ELBO(ELBO):
 
 def _log_mean_exp(log_w: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(log_w, -1) - math.log(log_w.shape[-1])
+
+
+def _is_subsample(site) -> bool:
+    return type(site["fn"]).__name__ == "_Subsample"
 
 
 def _check_reparameterised(site, where: str) -> None:
