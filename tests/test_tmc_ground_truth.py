@@ -63,11 +63,20 @@ def assert_finite(v):
     assert torch.isfinite(torch.as_tensor(v)).all(), v
 
 
-def assert_unbiased(log_p_hat, log_p):
-    """``E[P_TMC] = p(x)``: the ratio ``P_TMC / p(x)`` has mean 1 within 4 SE."""
+def assert_unbiased(log_p_hat, log_p, reference=None):
+    """``E[P_TMC] = p(x)``: the ratio ``r = P_TMC / p(x)`` has mean 1 within 4 SE.
+
+    ``r`` is right-skewed: a few hundred draws can miss its rare large values, which
+    makes the sample SE too small exactly when the sample mean is too small.  So when
+    a hand-written ``reference`` sample of the same estimator (thousands of vectorised
+    draws) is given, SE is the larger of the measured one and ``sd_ref(r) / sqrt(R)``.
+    Simulating this check with the references puts its false-alarm rate near 1e-4.
+    """
     assert_finite(log_p_hat)
     r = torch.exp(log_p_hat - log_p)
     m, se = mean_se(r)
+    if reference is not None:
+        se = max(se, torch.exp(reference - log_p).std().item() / math.sqrt(len(r)))
     assert abs(m - 1.0) < 4 * se, f"mean P/p = {m:.4f} +- {se:.4f}"
 
 
@@ -148,9 +157,9 @@ def test_toy_iwae_far_below_tmc(K):
 @pytest.mark.parametrize(
     "K, theta_K, R",
     [
-        (4, None, 600),  # SE of mean(P/p) ~ 0.08
-        (8, None, 400),  # ~ 0.09
-        (8, 2, 400),  # per-site K: theta drawn twice, every z_i eight times
+        (8, None, 400),  # sd(P/p) ~ 1.1, SE ~ 0.055
+        (16, None, 300),  # sd ~ 0.7, SE ~ 0.04
+        (8, 2, 400),  # per-site K: theta drawn twice, every z_i eight times; sd ~ 1.4
     ],
 )
 def test_toy_unbiased(K, theta_K, R):
@@ -158,7 +167,8 @@ def test_toy_unbiased(K, theta_K, R):
     x = torch.tensor(M.toy_data(8))
     guide = M.make_toy_guide(theta_num_samples=theta_K)
     v = draw_log_evidence(M.toy_model, guide, x, R=R, seed=K, num_samples=K, max_plate_nesting=1)
-    assert_unbiased(v, M.toy_log_px(M.toy_data(8)))
+    ref = M.toy_tmc_reference(M.toy_data(8), K, R=4000, generator=torch.Generator().manual_seed(K), K_theta=theta_K)
+    assert_unbiased(v, M.toy_log_px(M.toy_data(8)), ref)
 
 
 def test_iwae_elbo_matches_hand_iwae():
@@ -180,7 +190,8 @@ def test_loopy_unbiased():
     """Reference: at K=8 sd(P/p) ~ 0.35, so R=600 gives SE ~ 0.014."""
     x = torch.tensor(M.LOOPY_X)
     v = draw_log_evidence(M.loopy_model, M.make_loopy_guide(), x, R=600, seed=0, num_samples=8, max_plate_nesting=0)
-    assert_unbiased(v, M.loopy_log_px())
+    ref = M.loopy_tmc_reference(8, R=20000, generator=torch.Generator().manual_seed(0))
+    assert_unbiased(v, M.loopy_log_px(), ref)
 
 
 def test_loopy_converges_at_large_K():
@@ -249,7 +260,7 @@ def test_chain_of_1000_latents_runs():
     (log p - 30, log p + 10) (the upper side: P(P/p > e^10) < e^-10 by Markov)."""
     v = chain_draws("prior", K=4, R=2, seed=7, N=1000)
     assert_finite(v)
-    assert ((v - M.chain_log_px()).abs() < torch.tensor([30.0])).all()
+    assert (v > M.chain_log_px() - 30).all()
     assert (v < M.chain_log_px() + 10).all()
 
 
@@ -278,13 +289,15 @@ def test_nonfact_guide_K512(proposal):
 
 @pytest.mark.parametrize("proposal", ["mixture", "permutation", "diagonal"])
 def test_nonfact_guide_unbiased_small_K(proposal):
-    """E[P_TMC] = p(x) with a non-factorised guide (reference sd(P/p) ~ 0.2 at K=8)."""
+    """E[P_TMC] = p(x) with a non-factorised guide (reference sd(P/p) at K=8: 0.2 for
+    mixture/permutation, 0.78 for diagonal)."""
     x = torch.tensor(M.NONFACT_X)
     v = draw_log_evidence(
         M.nonfact_model, M.nonfact_guide, x, R=300, seed=9,
         num_samples=8, max_plate_nesting=0, proposal=proposal,
     )
-    assert_unbiased(v, M.nonfact_log_px())
+    ref = M.nonfact_tmc_reference(8, R=20000, proposal=proposal, generator=torch.Generator().manual_seed(9))
+    assert_unbiased(v, M.nonfact_log_px(), ref)
 
 
 def test_pyro_trace_tmc_elbo_is_biased_for_nonfactorised_guide():
@@ -320,7 +333,8 @@ def test_discrete_site_with_continuous_child_unbiased():
     """c summed exactly, z sampled (K=4) from the guide: E[P_TMC] = p(x)."""
     x = torch.tensor(M.MIX_X)
     v = draw_log_evidence(M.make_discrete_model(True), M.discrete_guide, x, R=300, seed=12, num_samples=4, max_plate_nesting=0)
-    assert_unbiased(v, M.discrete_log_px(with_z=True))
+    ref = M.discrete_tmc_reference(4, R=20000, generator=torch.Generator().manual_seed(12))
+    assert_unbiased(v, M.discrete_log_px(with_z=True), ref)
 
 
 # --------------------------------------------------------------------------- #

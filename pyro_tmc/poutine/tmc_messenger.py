@@ -105,11 +105,20 @@ class TMCMessenger(EnumMessenger):
         super().__init__(first_available_dim)
         self.replayed_sites = frozenset(replayed_sites)
 
+    def __enter__(self):
+        # dim -> id of the site that last placed a value there: what a site
+        # outside every markov context (e.g. an observation after a markov loop)
+        # can depend on.
+        self._occupants: Dict[int, int] = {}
+        return super().__enter__()
+
     def _record_scope(self, msg: Message) -> Dict[int, int]:
         """Markov bookkeeping, as EnumMessenger does it: the dims upstream of this site."""
         scope = msg["infer"].get("_markov_scope")
         param_dims = _ENUM_ALLOCATOR.dim_to_id.copy()
-        if scope is not None:
+        if scope is None:
+            param_dims.update(self._occupants)
+        else:
             for name, depth in scope.items():
                 if self._markov_depths.get(name) == depth:
                     param_dims.update(self._value_dims[name])
@@ -153,6 +162,11 @@ class TMCMessenger(EnumMessenger):
         msg["infer"]["_dim_to_id"] = value_dims
         msg["value"] = value
         msg["done"] = True
+
+    def _pyro_post_sample(self, msg: Message) -> None:
+        super()._pyro_post_sample(msg)
+        if isinstance(msg["fn"], TorchDistributionMixin) and msg["value"] is not None:
+            self._occupants.update(self._value_dims[msg["name"]])
 
     def _draw(self, msg: Message, param_dims: Dict[int, int], target_dim: int):
         fn = msg["fn"]
