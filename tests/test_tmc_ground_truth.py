@@ -10,9 +10,10 @@ measured variance of ``log P_TMC``: for a near-lognormal estimator the gap is ab
 ``Var[log P] / 2``, so ``Var[log P]`` leaves a factor two of headroom.
 
 Unbiasedness (``E[P_TMC] = p(x)``) is tested on the ratio ``r = P_TMC / p(x)``:
-``|mean(r) - 1| < 4 SE(r)``.  The models and proposals used there have finite fourth
-moments of the importance weights (checked in ``test_models.py``), so SE(r) is itself
-a reliable estimate.
+``|mean(r) - 1| < 4 SE(r)``, with SE floored by the spread of a large vectorised sample
+of a hand-written reference estimator (r is right-skewed, so a few hundred draws tend to
+underestimate its SE); simulated with the references, this check had no false alarm
+in 3000 runs per configuration (and 3-SE excursions at the normal rate, ~0.3%).
 
 Calibration (hand-written references in ``tests/models.py``, float64) of what a correct
 TMC gives, ``log p - E[log P]`` (sd of log P):

@@ -88,12 +88,18 @@ def check_factorised(guide_trace: Trace, names: List[str]) -> None:
             )
 
 
-def with_leaf_values(guide_trace: Trace, names: List[str]) -> Tuple[Trace, Dict[str, torch.Tensor]]:
+def with_leaf_values(
+    guide_trace: Trace, names: List[str], requires_grad: bool = True
+) -> Tuple[Trace, Dict[str, torch.Tensor]]:
     """
-    A copy of ``guide_trace`` whose latent values are detached leaves that
-    require grad, to be replayed so that every density is recomputed from them.
+    A copy of ``guide_trace`` whose latent values are detached leaves (that
+    require grad, by default), to be replayed so that every density is
+    recomputed from them.
     """
-    leaves = {name: guide_trace.nodes[name]["value"].detach().requires_grad_() for name in names}
+    leaves = {
+        name: guide_trace.nodes[name]["value"].detach().requires_grad_(requires_grad)
+        for name in names
+    }
     leaf_trace = guide_trace.copy()
     for name, leaf in leaves.items():
         node = dict(guide_trace.nodes[name])
@@ -107,8 +113,10 @@ def marginal_sources(model_trace: Trace, names: List[str], particle_shape) -> Di
     sources = {}
     for name in names:
         site = model_trace.nodes[name]
-        value = site["value"]
-        sources[name] = value.new_zeros(particle_shape(site)).requires_grad_()
+        dtype = site["value"].dtype if site["value"].is_floating_point() else torch.get_default_dtype()
+        sources[name] = torch.zeros(
+            particle_shape(site), dtype=dtype, device=site["value"].device, requires_grad=True
+        )
     return sources
 
 

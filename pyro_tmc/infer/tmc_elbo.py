@@ -24,6 +24,7 @@ from ..factors import (
 from ..poutine import TMCMessenger
 from ..poutine.tmc_messenger import check_num_samples
 from ..proposals import check_proposal
+from . import posterior
 from .path_gradients import (
     check_factorised,
     marginal_sources,
@@ -230,6 +231,45 @@ class TMC_ELBO(ELBO):
         if loss.requires_grad:
             loss.backward(retain_graph=self.retain_graph)
         return loss.item()
+
+    # -- the posterior of one draw -------------------------------------------
+
+    def _one_draw(self, model, guide, args, kwargs) -> Tuple[Trace, Trace]:
+        if self.num_particles != 1:
+            raise NotImplementedError(
+                "Posterior read-outs use one TMC draw: construct the ELBO with num_particles=1."
+            )
+        return next(self._get_traces(model, guide, args, kwargs))
+
+    def compute_marginals(self, model, guide, *args, **kwargs):
+        """
+        The posterior over particle combinations of one TMC draw, read per site.
+
+        :returns: site name -> :class:`~pyro.distributions.Empirical` over the
+            site's particles, weighted by their posterior marginal weight (the sum
+            of the weights of all combinations that contain the particle), batched
+            over the site's plates; ``.mean`` and ``.variance`` are posterior
+            moment estimates. Enumerated sites give their support, exactly weighted.
+        :rtype: OrderedDict
+        """
+        with torch.no_grad():
+            model_trace, guide_trace = self._one_draw(model, guide, args, kwargs)
+        return posterior.compute_marginals(model_trace, guide_trace)
+
+    def sample_posterior(self, model, guide, *args, num_draws: int = 1, **kwargs):
+        """
+        Exact draws of joint particle combinations from the posterior of one TMC
+        draw, by backward sampling through the same contraction.
+
+        :param int num_draws: how many combinations to draw (vectorised).
+        :returns: site name -> values, with a new leftmost dim of size
+            ``num_draws``; plugs into ``pyro.infer.Predictive(model, posterior_samples=...)``.
+        :rtype: dict
+        """
+        num_draws = check_num_samples(num_draws, "sample_posterior(num_draws)")
+        with torch.no_grad():
+            model_trace, guide_trace = self._one_draw(model, guide, args, kwargs)
+        return posterior.sample_posterior(model_trace, guide_trace, num_draws)
 
     def log_evidence(self, model, guide, *args, **kwargs) -> torch.Tensor:
         """

@@ -1,0 +1,199 @@
+"""Reading the posterior that one TMC draw implies.
+
+One draw of particles defines a distribution over all prod_i K_i particle
+combinations, with weights proportional to p(x, z)/q(z). We read it with the
+autodiff identity (as the alan library does): add a zero *source* tensor ``s_j``
+over site j's particles to the log factors; then
+
+    d log P_TMC / d s_j^k = (sum of the weights of the combinations holding particle k) / (sum of all weights)
+
+is the posterior marginal of site j's particle k (per plate element). We chose
+this over Pyro's adjoint backends (``torch_marginal`` / ``torch_sample``)
+because it runs the very contraction that gives the bound, plate scales and
+fused factors included, so the read-outs cannot drift from the estimator.
+
+Joint draws use the same identity sequentially (backward sampling in the order
+the sites were drawn): read the marginal of a site given the sites already
+chosen, pick its particle, fix that particle in every factor, move on. Each of
+the ``num_draws`` draws conditions its own copy of the factors, held as a batch
+(plate) dim, so the draws are vectorised; the cost is one contraction per latent
+site.
+"""
+
+from collections import OrderedDict
+from typing import Dict, List, Tuple
+
+import torch
+from pyro.distributions import Categorical, Empirical
+from pyro.poutine import Trace
+
+from ..contraction import contract_log_factors
+from ..factors import compute_log_factors, particle_shape, plate_scale_of, plate_scales
+from .path_gradients import marginal_sources
+
+#: the packed symbol of the draws' batch dim (outside opt_einsum's generated range)
+DRAWS = "\u2203"
+
+
+def latent_sites(model_trace: Trace) -> List[str]:
+    """Latent sites that carry particles (or enumerated values), in the order they were drawn."""
+    return [
+        name
+        for name, site in model_trace.nodes.items()
+        if site["type"] == "sample" and not site["is_observed"] and "_enumerate_dim" in site["infer"]
+    ]
+
+
+def _plate_shape(site) -> Tuple[int, ...]:
+    """The sizes of the site's plates, at their dims (1 where no plate sits)."""
+    frames = [f for f in site["cond_indep_stack"] if f.vectorized]
+    shape = [1] * (-min(f.dim for f in frames) if frames else 0)
+    for frame in frames:
+        shape[frame.dim] = frame.size
+    return tuple(shape)
+
+
+def _plate_symbols(site, plate_to_symbol: Dict[str, str]) -> List[str]:
+    """The packed symbol at each of the site's plate dims ('' where no plate sits)."""
+    frames = [f for f in site["cond_indep_stack"] if f.vectorized]
+    symbols = [""] * len(_plate_shape(site))
+    for frame in frames:
+        symbols[frame.dim] = plate_to_symbol[frame.name]
+    return symbols
+
+
+def _particles_last(site, tensor: torch.Tensor, event_dim: int) -> torch.Tensor:
+    """A tensor over the site's particles and plates, reshaped to plates + (K,) + event."""
+    particle_dim = site["infer"]["_enumerate_dim"]
+    batch_ndim = tensor.dim() - event_dim
+    if batch_ndim < -particle_dim:
+        tensor = tensor.reshape((1,) * (-particle_dim - batch_ndim) + tensor.shape)
+        batch_ndim = -particle_dim
+    tensor = tensor.movedim(batch_ndim + particle_dim, batch_ndim - 1)
+    plates = _plate_shape(site)
+    rest = tensor.shape[: batch_ndim - 1]
+    kept = tuple(rest[len(rest) - len(plates):]) if plates else ()
+    tensor = tensor.reshape(kept + tensor.shape[batch_ndim - 1:])  # drops leading size-1 dims
+    return tensor.expand(plates + tensor.shape[len(plates):])
+
+
+def compute_marginals(model_trace: Trace, guide_trace: Trace) -> "OrderedDict[str, Empirical]":
+    """
+    :returns: for every latent site, its particles weighted by their posterior
+        marginal weight, as an :class:`~pyro.distributions.Empirical` batched over
+        the site's plates.
+    """
+    names = latent_sites(model_trace)
+    sources = marginal_sources(model_trace, names, particle_shape)
+    with torch.enable_grad():
+        factors = compute_log_factors(model_trace, guide_trace, sources)
+        log_p = contract_log_factors([f.tensor for f in factors], plate_scales(model_trace))
+        grads = torch.autograd.grad(log_p, list(sources.values()), allow_unused=True)
+    marginals = OrderedDict()
+    for name, grad in zip(names, grads):
+        site = model_trace.nodes[name]
+        weights = torch.zeros_like(sources[name]) if grad is None else grad / plate_scale_of(site)
+        samples = _particles_last(site, site["value"].detach(), site["fn"].event_dim)
+        log_weights = _particles_last(site, weights.clamp(min=0).log(), 0)
+        marginals[name] = Empirical(samples, log_weights)
+    return marginals
+
+
+# -- joint draws -------------------------------------------------------------
+
+
+def _condition(term: torch.Tensor, symbol: str, index: torch.Tensor) -> torch.Tensor:
+    """Fix dim ``symbol`` of a packed ``term`` to the particle ``index`` (a packed tensor)."""
+    if symbol not in term._pyro_dims:
+        return term
+    out_dims = [d for d in term._pyro_dims if d != symbol]
+    out_dims += [d for d in index._pyro_dims if d not in out_dims]
+    sizes = dict(zip(term._pyro_dims, term.shape))
+    sizes.update(zip(index._pyro_dims, index.shape))
+    source = _aligned(term, out_dims + [symbol], sizes, expand_to=out_dims)
+    picks = _aligned(index, out_dims, sizes, expand_to=out_dims).unsqueeze(-1)
+    result = source.gather(-1, picks).squeeze(-1)
+    result._pyro_dims = "".join(out_dims)
+    return result
+
+
+def _aligned(term: torch.Tensor, dims: List[str], sizes: Dict[str, int], expand_to: List[str]) -> torch.Tensor:
+    own = [d for d in dims if d in term._pyro_dims]
+    tensor = term.permute(*(term._pyro_dims.index(d) for d in own))
+    tensor = tensor.reshape([sizes[d] if d in own else 1 for d in dims])
+    shape = [sizes[d] if d in expand_to else tensor.shape[i] for i, d in enumerate(dims)]
+    return tensor.expand(shape)
+
+
+def sample_posterior(model_trace: Trace, guide_trace: Trace, num_draws: int) -> Dict[str, torch.Tensor]:
+    """
+    Exact joint draws of particle combinations from the posterior of one TMC draw.
+
+    :returns: site name -> its values in each draw, shape ``(num_draws,) +``
+        the site's plate and event shape.
+    """
+    names = latent_sites(model_trace)
+    scales = dict(plate_scales(model_trace))
+    scales[DRAWS] = 1.0
+    with torch.no_grad():
+        factors = [f.tensor for f in compute_log_factors(model_trace, guide_trace)]
+    factors = [_with_draws(t, num_draws) for t in factors]
+    draws = {}
+    for name in names:
+        site = model_trace.nodes[name]
+        symbol = site["infer"]["_dim_to_symbol"][site["infer"]["_enumerate_dim"]]
+        index = _draw_particle(factors, scales, site, symbol, num_draws)
+        factors = [_condition(t, symbol, index) for t in factors]
+        draws[name] = _gather_values(site, index, model_trace.plate_to_symbol)
+    return draws
+
+
+def _with_draws(term: torch.Tensor, num_draws: int) -> torch.Tensor:
+    expanded = term.expand((num_draws,) + term.shape)
+    expanded._pyro_dims = DRAWS + term._pyro_dims
+    return expanded
+
+
+def _draw_particle(factors, scales, site, symbol: str, num_draws: int) -> torch.Tensor:
+    """One particle of ``site`` per draw and plate element, from its conditional marginal."""
+    dims = [DRAWS, symbol] + [d for d in site["infer"]["_dim_to_symbol"].values() if d in scales]
+    sizes = {}
+    for term in factors:
+        sizes.update(zip(term._pyro_dims, term.shape))
+    dims = [d for d in dims if d in sizes]
+    plates = [d for d in dims if d not in (DRAWS, symbol)]
+    if symbol not in sizes:  # a single particle: nothing to choose
+        index = torch.zeros([sizes[d] for d in [DRAWS] + plates], dtype=torch.long, device=factors[0].device)
+        index._pyro_dims = DRAWS + "".join(plates)
+        return index
+    source = torch.zeros([sizes[d] for d in dims], requires_grad=True, device=factors[0].device)
+    source._pyro_dims = "".join(dims)
+    with torch.enable_grad():
+        log_p = contract_log_factors(list(factors) + [source], scales)
+        (marginal,) = torch.autograd.grad(log_p, [source])
+    plate_scale = 1.0
+    for d in plates:
+        plate_scale *= scales[d]
+    probs = (marginal / plate_scale).clamp(min=0).movedim(1, -1)  # (draws, plates..., K)
+    index = Categorical(probs=probs).sample()
+    index._pyro_dims = DRAWS + "".join(plates)
+    return index
+
+
+def _gather_values(site, index: torch.Tensor, plate_to_symbol: Dict[str, str]) -> torch.Tensor:
+    """The site's values at the drawn particles: (num_draws,) + plate shape + event shape."""
+    event_dim = site["fn"].event_dim
+    values = _particles_last(site, site["value"].detach(), event_dim)  # plates + (K,) + event
+    plates = _plate_shape(site)
+    symbols = _plate_symbols(site, plate_to_symbol)
+    index_dims = index._pyro_dims
+    present = [DRAWS] + [d for d in symbols if d in index_dims]
+    index = index.permute(*(index_dims.index(d) for d in present))
+    index = index.reshape(
+        index.shape[:1] + tuple(size if symbol in index_dims else 1 for size, symbol in zip(plates, symbols))
+    )
+    index = index.expand(index.shape[:1] + plates)
+    values = values.expand(index.shape[:1] + values.shape)
+    picks = index.reshape(index.shape + (1,) * (event_dim + 1))
+    picks = picks.expand(index.shape + (1,) + values.shape[values.dim() - event_dim:])
+    return values.gather(1 + len(plates), picks).squeeze(1 + len(plates))
