@@ -154,9 +154,18 @@ def compute_log_factors(
 
 
 def particle_shape(site) -> torch.Size:
-    """The shape of a latent site's particle dim and plates: its value without the event dims."""
+    """
+    The shape of a latent site's particle dim and plates: its value without the
+    event dims, broadcast over its plates (enumerated values are not expanded).
+    """
     value = site["value"]
-    return value.shape[: value.dim() - site["fn"].event_dim]
+    shape = value.shape[: value.dim() - site["fn"].event_dim]
+    for frame in site["cond_indep_stack"]:
+        if frame.vectorized:
+            plate = [1] * -frame.dim
+            plate[frame.dim] = frame.size
+            shape = torch.broadcast_shapes(shape, tuple(plate))
+    return shape
 
 
 def plate_scale_of(site) -> float:
