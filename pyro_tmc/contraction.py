@@ -66,22 +66,35 @@ def _align(term: torch.Tensor, dims: str) -> torch.Tensor:
     return aligned.reshape(shape)
 
 
+def _add(big: torch.Tensor, small: torch.Tensor) -> torch.Tensor:
+    total = big + _align(small, big._pyro_dims)
+    total._pyro_dims = big._pyro_dims
+    return total
+
+
 def fuse_factors(factors: Sequence[torch.Tensor], plates: Iterable[str]) -> List[torch.Tensor]:
     """
-    Add each factor into a larger one that holds all of its dims and the same
-    plates (a product of exps is the exp of a sum), so that the contraction
-    sees fewer, larger terms. The result contracts to the same value.
+    Add factors together where that costs nothing extra (a product of exps is
+    the exp of a sum), so that the contraction sees fewer terms: first factors
+    over the same dims (cheap, small adds), then each group into the smallest
+    group that holds all of its dims and the same plates. The result contracts
+    to the same value.
     """
     plates = frozenset(plates)
+    groups: Dict[frozenset, torch.Tensor] = {}
+    for term in factors:
+        key = frozenset(term._pyro_dims)
+        groups[key] = _add(groups[key], term) if key in groups else term
     fused: List[torch.Tensor] = []
-    for term in sorted(factors, key=lambda t: -len(t._pyro_dims)):
-        dims = set(term._pyro_dims)
-        for i, big in enumerate(fused):
-            if dims <= set(big._pyro_dims) and plates & dims == plates & set(big._pyro_dims):
-                merged = big + _align(term, big._pyro_dims)
-                merged._pyro_dims = big._pyro_dims
-                fused[i] = merged
-                break
+    for key in sorted(groups, key=lambda k: -groups[k].numel()):
+        term = groups[key]
+        hosts = [
+            i for i, big in enumerate(fused)
+            if key <= set(big._pyro_dims) and plates & key == plates & set(big._pyro_dims)
+        ]
+        if hosts:
+            i = min(hosts, key=lambda i: fused[i].numel())
+            fused[i] = _add(fused[i], term)
         else:
             fused.append(term)
     return fused

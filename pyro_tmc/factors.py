@@ -86,15 +86,19 @@ def proposal_site(name: str, model_trace: Trace, guide_trace: Trace):
     return model_trace.nodes[name]
 
 
-def site_log_factor(
+def site_log_factors(
     name: str,
     model_trace: Trace,
     guide_trace: Trace,
     source: Optional[torch.Tensor] = None,
     detach_guide_proposal: bool = False,
-) -> torch.Tensor:
+) -> List[torch.Tensor]:
     """
-    The packed log factor of model site ``name`` (see the module docstring).
+    The packed log factors of model site ``name`` (see the module docstring):
+    ``log p`` and, for a sampled latent, ``-log q - log K`` as a second tensor.
+    They are kept apart because ``log q`` has only the site's own particle dim
+    while ``log p`` also has its parents': the contraction adds the small
+    terms together before touching the large one (:func:`~pyro_tmc.contraction.fuse_factors`).
 
     :param torch.Tensor source: an optional zero tensor added to the factor; the
         gradient of log P_TMC with respect to it is the posterior marginal of the
@@ -103,27 +107,31 @@ def site_log_factor(
         density (the path-gradient estimators take the guide's gradient elsewhere).
     """
     site = model_trace.nodes[name]
-    log_factor = _log_prob(site)
+    dim_to_symbol = site["infer"]["_dim_to_symbol"]
     # Plate subsampling is applied at the plate product (contraction.py); any
     # other scale (poutine.scale) weights this site's log factor directly.
     extra_scale = site["scale"] / _site_plate_scale(site)
-    draw: Optional[ParticleDraw] = None
+    factors = [pack(scale_and_mask(_log_prob(site), extra_scale, site["mask"]), dim_to_symbol)]
+    draw = None
     if not site["is_observed"]:
         q_site = proposal_site(name, model_trace, guide_trace)
         draw = q_site["infer"].get("_tmc_draw")
-        if draw is not None:
-            log_q = proposal_log_prob(q_site["fn"], q_site["value"], draw)
-            if not q_site["fn"].has_rsample or (detach_guide_proposal and q_site is not site):
-                # DiCE: p/q with q stopped has the score-function gradient of an
-                # importance weight (the score of q cancels against -log q).
-                log_q = log_q.detach()
-            log_factor = log_factor - log_q
-    log_factor = scale_and_mask(log_factor, extra_scale, site["mask"])
+    if draw is None and source is None:
+        return factors
+    proposal_term = 0.0
     if draw is not None:
-        log_factor = log_factor - math.log(draw.num_particles)
+        log_q = proposal_log_prob(q_site["fn"], q_site["value"], draw)
+        if not q_site["fn"].has_rsample or (detach_guide_proposal and q_site is not site):
+            # DiCE: p/q with q stopped has the score-function gradient of an
+            # importance weight (the score of q cancels against -log q).
+            log_q = log_q.detach()
+        # A masked element contributes log p - log q = 0 for each particle, and the
+        # -log K keeps its sum over particles at 1.
+        proposal_term = scale_and_mask(-log_q, extra_scale, site["mask"]) - math.log(draw.num_particles)
     if source is not None:
-        log_factor = log_factor + source
-    return pack(log_factor, site["infer"]["_dim_to_symbol"])
+        proposal_term = proposal_term + source
+    factors.append(pack(proposal_term, dim_to_symbol))
+    return factors
 
 
 def compute_log_factors(
@@ -139,17 +147,17 @@ def compute_log_factors(
         particles, with ``symbolize`` applied.
     :param Trace guide_trace: the guide run under ``tmc``.
     :param dict sources: site name -> zero tensor added to that site's factor.
-    :param bool detach_guide_proposals: see :func:`site_log_factor`.
+    :param bool detach_guide_proposals: see :func:`site_log_factors`.
     """
     sources = {} if sources is None else sources
     factors = []
     for name, site in model_trace.nodes.items():
         if site["type"] != "sample":
             continue
-        tensor = site_log_factor(
+        for tensor in site_log_factors(
             name, model_trace, guide_trace, sources.get(name), detach_guide_proposals
-        )
-        factors.append(LogFactor(name, tensor))
+        ):
+            factors.append(LogFactor(name, tensor))
     return factors
 
 
