@@ -18,12 +18,58 @@ scaling belongs.
 """
 
 from collections import OrderedDict
-from typing import Dict, Iterable, List, Sequence
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterable, List, Sequence, Set, Tuple, Union
 
 import torch
 from opt_einsum import shared_intermediates
+from torch.utils.checkpoint import checkpoint
 from pyro.ops.contract import contract_to_tensor
 from pyro.ops.rings import LogRing
+from pyro.ops.special import safe_log
+
+
+@dataclass
+class ChunkedFactor:
+    """
+    A log factor too large to hold at once (a memory budget), produced slice by
+    slice along ``symbol``, the particle dim of the site it belongs to, as the
+    alan library's Split does.
+
+    :param str site: the site it came from (for error messages).
+    :param str dims: the packed dims of the whole factor.
+    :param str symbol: the packed dim it is sliced along.
+    :param int size: that dim's length.
+    :param int chunk: the slice length.
+    :param compute: ``(start, stop) -> packed tensor`` of the slice.
+    """
+
+    site: str
+    dims: str
+    symbol: str
+    size: int
+    chunk: int
+    compute: Callable[[int, int], torch.Tensor]
+
+    def ranges(self) -> List[Tuple[int, int]]:
+        """Slices covering the dim; none of length 1, which packing would squeeze away."""
+        bounds = [(a, min(a + self.chunk, self.size)) for a in range(0, self.size, self.chunk)]
+        if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] == 1:
+            bounds[-2:] = [(bounds[-2][0], bounds[-1][1])]
+        return bounds
+
+    def materialise(self) -> torch.Tensor:
+        """The whole factor at once."""
+        chunks = [self.compute(a, b) for a, b in self.ranges()]
+        whole = torch.cat(chunks, chunks[0]._pyro_dims.index(self.symbol))
+        whole._pyro_dims = chunks[0]._pyro_dims
+        return whole
+
+
+def _safe_logsumexp(term: torch.Tensor, dims: List[int]) -> torch.Tensor:
+    """logsumexp whose gradient is 0, not NaN, where a whole slice is -inf (as pyro's torch_log)."""
+    shift = term.detach().amax(dims, keepdim=True).clamp(min=torch.finfo(term.dtype).min)
+    return safe_log((term - shift).exp().sum(dims)) + shift.squeeze(dims)
 
 
 class PlateScaledLogRing(LogRing):
@@ -37,6 +83,17 @@ class PlateScaledLogRing(LogRing):
     def __init__(self, cache=None, dim_to_size=None, plate_scales=None):
         super().__init__(cache=cache, dim_to_size=dim_to_size)
         self._plate_scales = {} if plate_scales is None else plate_scales
+
+    def sumproduct(self, terms, dims):
+        if len(terms) == 1:  # a plain reduction: cheaper than a log-space einsum
+            (term,) = terms
+            positions = [i for i, d in enumerate(term._pyro_dims) if d in dims]
+            if not positions:
+                return term
+            result = _safe_logsumexp(term, positions)
+            result._pyro_dims = "".join(d for d in term._pyro_dims if d not in dims)
+            return result
+        return super().sumproduct(terms, dims)
 
     def product(self, term, ordinal):
         dims = term._pyro_dims
@@ -100,27 +157,108 @@ def fuse_factors(factors: Sequence[torch.Tensor], plates: Iterable[str]) -> List
     return fused
 
 
-def contract_log_factors(
-    factors: Sequence[torch.Tensor], plate_scales: Dict[str, float]
-) -> torch.Tensor:
-    """
-    Sum out every particle dim and multiply out every plate dim of the packed
-    log ``factors``.
+def _ordinals(factors: Sequence[torch.Tensor], plates: frozenset) -> Dict[str, frozenset]:
+    """Each sum dim's plates: those of every factor that holds it."""
+    ordinal: Dict[str, frozenset] = {}
+    for term in factors:
+        own = plates.intersection(term._pyro_dims)
+        for dim in set(term._pyro_dims) - plates:
+            ordinal[dim] = ordinal.get(dim, own) & own
+    return ordinal
 
-    :param factors: packed log factors.
-    :param dict plate_scales: every plate symbol that may occur, with its
-        subsampling scale (1.0 when not subsampled).
-    :returns: a scalar tensor, the log of the contracted sum-product.
-    """
+
+def _narrow(term: torch.Tensor, symbol: str, start: int, stop: int) -> torch.Tensor:
+    if symbol not in term._pyro_dims:
+        return term
+    sliced = term.narrow(term._pyro_dims.index(symbol), start, stop - start)
+    sliced._pyro_dims = term._pyro_dims
+    return sliced
+
+
+def _contract(factors, plate_scales, sum_dims, target_ordinal=frozenset(), target_dims=frozenset()):
     plates = frozenset(plate_scales)
-    factors = fuse_factors(factors, plates)
     dim_to_size: Dict[str, int] = {}
     tensor_tree: "OrderedDict[frozenset, List[torch.Tensor]]" = OrderedDict()
     for term in factors:
         dim_to_size.update(zip(term._pyro_dims, term.shape))
         tensor_tree.setdefault(plates.intersection(term._pyro_dims), []).append(term)
-    sum_dims = set(dim_to_size) - plates
     with shared_intermediates() as cache:
         ring = PlateScaledLogRing(cache, dim_to_size=dim_to_size, plate_scales=plate_scales)
-        result = contract_to_tensor(tensor_tree, sum_dims, ring=ring)
-    return result
+        return contract_to_tensor(
+            tensor_tree, set(sum_dims), target_ordinal=target_ordinal, target_dims=set(target_dims), ring=ring
+        )
+
+
+def eliminate_in_chunks(
+    lazy: ChunkedFactor, factors: List[torch.Tensor], plate_scales: Dict[str, float]
+) -> List[torch.Tensor]:
+    """
+    Sum out ``lazy.symbol`` slice by slice: ``sum_k = sum_slices sum_{k in slice}``,
+    so each slice's partial contraction (a *message* over the dims the rest of the
+    factors share) is computed from that slice alone and the messages are
+    log-sum-exp'd. Factors over dims nested in deeper plates come along, so that
+    every message lives in the site's plates. Each slice is recomputed in the
+    backward pass (activation checkpointing), so memory stays within one slice.
+
+    :returns: the factors with the eliminated ones replaced by the message.
+    """
+    plates = frozenset(plate_scales)
+    first = lazy.compute(*lazy.ranges()[0])  # for its dims
+    ordinal = _ordinals(factors + [first], plates)
+    home = ordinal[lazy.symbol]
+    group_dims = {lazy.symbol}
+    group = [t for t in factors if lazy.symbol in t._pyro_dims]
+    while True:  # take along factors over dims in deeper plates
+        dims = set("".join(t._pyro_dims for t in group)) - plates
+        deeper = {d for d in dims if ordinal[d] > home} - group_dims
+        if not deeper:
+            break
+        group_dims |= deeper
+        group += [t for t in factors if t not in group and deeper & set(t._pyro_dims)]
+    rest = [t for t in factors if not any(t is g for g in group)]
+    all_dims = (set(first._pyro_dims) | set("".join(t._pyro_dims for t in group))) - plates
+    kept = all_dims & set("".join(t._pyro_dims for t in rest)) - {lazy.symbol}
+    out_dims = "".join(sorted(kept | home))
+
+    def message(start: int, stop: int, *inputs: torch.Tensor) -> torch.Tensor:
+        terms = [lazy.compute(start, stop)]
+        for term, tensor in zip(group, inputs):
+            tensor._pyro_dims = term._pyro_dims
+            terms.append(_narrow(tensor, lazy.symbol, start, stop))
+        msg = _contract(terms, plate_scales, all_dims, target_ordinal=home, target_dims=kept)
+        return msg.permute(*(msg._pyro_dims.index(d) for d in out_dims)) if out_dims else msg
+
+    pieces = [
+        checkpoint(message, start, stop, *group, use_reentrant=False) for start, stop in lazy.ranges()
+    ]
+    combined = torch.logsumexp(torch.stack(pieces), 0)
+    combined._pyro_dims = out_dims
+    return rest + [combined]
+
+
+def contract_log_factors(
+    factors: Sequence[Union[torch.Tensor, ChunkedFactor]], plate_scales: Dict[str, float]
+) -> torch.Tensor:
+    """
+    Sum out every particle dim and multiply out every plate dim of the packed
+    log ``factors``.
+
+    :param factors: packed log factors; a :class:`ChunkedFactor` is eliminated
+        slice by slice first (:func:`eliminate_in_chunks`).
+    :param dict plate_scales: every plate symbol that may occur, with its
+        subsampling scale (1.0 when not subsampled).
+    :returns: a scalar tensor, the log of the contracted sum-product.
+    """
+    plates = frozenset(plate_scales)
+    pending = [f for f in factors if isinstance(f, ChunkedFactor)]
+    tensors = [f for f in factors if not isinstance(f, ChunkedFactor)]
+    # Children first: a chain's factors then meet only small messages, never another slice.
+    while pending:
+        chunked = pending.pop()
+        for other in [f for f in pending if chunked.symbol in f.dims]:
+            pending.remove(other)
+            tensors.append(other.materialise())
+        tensors = eliminate_in_chunks(chunked, tensors, plate_scales)
+    tensors = fuse_factors(tensors, plates)
+    sum_dims = set("".join(t._pyro_dims for t in tensors)) - plates
+    return _contract(tensors, plate_scales, sum_dims)

@@ -176,8 +176,12 @@ class TMCLightningModule(pl.LightningModule):
 
     def initialize(self, batch) -> torch.Tensor:
         """Run the loss once without gradients, creating lazy parameters; then check them."""
+        params = list(self.parameters())
+        args = _as_args(batch)
+        if params:
+            args = tuple(a.to(params[0].device) if torch.is_tensor(a) else a for a in args)
         with torch.no_grad():
-            loss = self(*_as_args(batch))
+            loss = self(*args)
         check_parameters_registered(self.elbo)
         return loss
 
@@ -337,9 +341,9 @@ def fit_data_parallel(
     :param int devices: processes (CPU) or GPUs.
     :param int batch_size: per process; a step sees ``devices * batch_size`` data points.
     :param str accelerator: ``"cpu"``, ``"gpu"`` or ``"auto"``.
-    :param int seed: seeds Pyro (so every process builds the same initial
-        parameters; DDP broadcasts rank 0's anyway) and, offset by the rank,
-        each process's particles.
+    :param int seed: seeds Pyro before the call that creates lazy parameters
+        (DDP then broadcasts rank 0's parameters to every process) and, offset
+        by the rank, each process's particles.
     :param int warmup_steps: steps left out of ``samples_per_second``.
     :param trainer_kwargs: passed to :func:`build_trainer` and the Trainer.
     :returns: a :class:`DataParallelFit`.

@@ -22,6 +22,7 @@ from pyro.distributions.util import scale_and_mask
 from pyro.ops.packed import pack
 from pyro.poutine import Trace
 
+from .contraction import ChunkedFactor
 from .proposals import ParticleDraw, proposal_log_prob
 
 VARIANCE_REDUCTIONS = (None, "stl", "dregs")
@@ -79,6 +80,33 @@ def _log_prob(site, value=None) -> torch.Tensor:
         raise ValueError(f"Error while computing log_prob at site '{site['name']}': {e}") from e
 
 
+def _log_prob_numel(site) -> int:
+    """How many elements the site's log density will have (its broadcast batch shape)."""
+    value = site["value"]
+    batch = torch.broadcast_shapes(value.shape[: value.dim() - site["fn"].event_dim], site["fn"].batch_shape)
+    return math.prod(batch)
+
+
+def _chunked_log_prob(site, extra_scale, max_factor_elements: int) -> ChunkedFactor:
+    """The site's ``log p`` as slices along its own particle dim, each within the budget."""
+    value, fn = site["value"], site["fn"]
+    particle_dim = site["infer"]["_enumerate_dim"]
+    batch_ndim = value.dim() - fn.event_dim
+    num_particles = value.shape[batch_ndim + particle_dim]
+    per_particle = _log_prob_numel(site) // num_particles
+    chunk = max(2, max_factor_elements // max(per_particle, 1))
+    dim_to_symbol = site["infer"]["_dim_to_symbol"]
+    symbol = dim_to_symbol[particle_dim]
+
+    def compute(start: int, stop: int) -> torch.Tensor:
+        part = value.narrow(batch_ndim + particle_dim, start, stop - start)
+        return pack(scale_and_mask(_log_prob(site, part), extra_scale, site["mask"]), dim_to_symbol)
+
+    batch = torch.broadcast_shapes(value.shape[:batch_ndim], fn.batch_shape)
+    dims = "".join(dim_to_symbol[d - len(batch)] for d, size in enumerate(batch) if size > 1)
+    return ChunkedFactor(site["name"], dims, symbol, num_particles, chunk, compute)
+
+
 def proposal_site(name: str, model_trace: Trace, guide_trace: Trace):
     """The site whose distribution drew the particles of latent ``name``."""
     if name in guide_trace.nodes and guide_trace.nodes[name]["type"] == "sample":
@@ -92,6 +120,7 @@ def site_log_factors(
     guide_trace: Trace,
     source: Optional[torch.Tensor] = None,
     detach_guide_proposal: bool = False,
+    max_factor_elements: Optional[int] = None,
 ) -> List[torch.Tensor]:
     """
     The packed log factors of model site ``name`` (see the module docstring):
@@ -105,13 +134,24 @@ def site_log_factors(
         site's particles (the autodiff identity of the alan library).
     :param bool detach_guide_proposal: stop the gradient through the guide's
         density (the path-gradient estimators take the guide's gradient elsewhere).
+    :param int max_factor_elements: a latent site's ``log p`` larger than this is
+        returned as a :class:`~pyro_tmc.contraction.ChunkedFactor`, computed slice
+        by slice along the site's own particle dim during the contraction.
     """
     site = model_trace.nodes[name]
     dim_to_symbol = site["infer"]["_dim_to_symbol"]
     # Plate subsampling is applied at the plate product (contraction.py); any
     # other scale (poutine.scale) weights this site's log factor directly.
     extra_scale = site["scale"] / _site_plate_scale(site)
-    factors = [pack(scale_and_mask(_log_prob(site), extra_scale, site["mask"]), dim_to_symbol)]
+    if (
+        max_factor_elements is not None
+        and not site["is_observed"]
+        and _log_prob_numel(site) > max_factor_elements
+        and particle_shape(site)[site["infer"]["_enumerate_dim"]] > 2
+    ):
+        factors = [_chunked_log_prob(site, extra_scale, max_factor_elements)]
+    else:
+        factors = [pack(scale_and_mask(_log_prob(site), extra_scale, site["mask"]), dim_to_symbol)]
     draw = None
     if not site["is_observed"]:
         q_site = proposal_site(name, model_trace, guide_trace)
@@ -139,6 +179,7 @@ def compute_log_factors(
     guide_trace: Trace,
     sources: Optional[Dict[str, torch.Tensor]] = None,
     detach_guide_proposals: bool = False,
+    max_factor_elements: Optional[int] = None,
 ) -> List[LogFactor]:
     """
     Packed log factors of every model sample site.
@@ -148,6 +189,7 @@ def compute_log_factors(
     :param Trace guide_trace: the guide run under ``tmc``.
     :param dict sources: site name -> zero tensor added to that site's factor.
     :param bool detach_guide_proposals: see :func:`site_log_factors`.
+    :param int max_factor_elements: see :func:`site_log_factors`.
     """
     sources = {} if sources is None else sources
     factors = []
@@ -155,7 +197,7 @@ def compute_log_factors(
         if site["type"] != "sample":
             continue
         for tensor in site_log_factors(
-            name, model_trace, guide_trace, sources.get(name), detach_guide_proposals
+            name, model_trace, guide_trace, sources.get(name), detach_guide_proposals, max_factor_elements
         ):
             factors.append(LogFactor(name, tensor))
     return factors
@@ -191,6 +233,8 @@ def check_finite(factors: List[LogFactor], estimate: torch.Tensor) -> None:
     if torch.isfinite(estimate).all():
         return
     for site, tensor in factors:
+        if isinstance(tensor, ChunkedFactor):
+            tensor = tensor.materialise()
         tensor = tensor.detach()
         if torch.isnan(tensor).any():
             raise ValueError(f"TMC factor of site '{site}' contains NaN: check its distribution's parameters.")

@@ -1,7 +1,7 @@
 """TMC_ELBO: the Tensor Monte Carlo bound as a drop-in Pyro SVI loss. Orchestration only."""
 
 import warnings
-from typing import Iterator, Tuple
+from typing import Iterator, Optional, Tuple
 
 import torch
 import pyro.poutine as poutine
@@ -79,6 +79,10 @@ class TMC_ELBO(ELBO):
     :param str variance_reduction: ``None``, ``"stl"`` or ``"dregs"``.
     :param int num_particles: independent TMC estimates averaged in the loss.
     :param bool vectorize_particles: compute those estimates in one vectorised pass.
+    :param int max_factor_bytes: a memory budget: a site's log-density factor
+        larger than this is computed and summed out in slices along the site's
+        particle dim (with activation checkpointing), same result; ``None``
+        (default) materialises every factor, which is fastest.
 
     References
 
@@ -94,9 +98,13 @@ class TMC_ELBO(ELBO):
         variance_reduction=None,
         num_particles: int = 1,
         vectorize_particles: bool = False,
+        max_factor_bytes: Optional[int] = None,
         **kwargs,
     ) -> None:
         self.num_samples = check_num_samples(num_samples, "TMC_ELBO")
+        if max_factor_bytes is not None and max_factor_bytes <= 0:
+            raise ValueError(f"max_factor_bytes must be positive or None, got {max_factor_bytes}.")
+        self.max_factor_bytes = max_factor_bytes
         self.proposal = check_proposal(proposal)
         self.variance_reduction = check_variance_reduction(variance_reduction)
         check_num_samples(num_particles, "TMC_ELBO(num_particles)")
@@ -163,7 +171,12 @@ class TMC_ELBO(ELBO):
         self, model_trace: Trace, guide_trace: Trace, sources=None, detach_guide_proposals=False
     ) -> torch.Tensor:
         """log P_TMC of one draw (summed over vectorised repetitions)."""
-        factors = compute_log_factors(model_trace, guide_trace, sources, detach_guide_proposals)
+        max_elements = None
+        if self.max_factor_bytes is not None:
+            max_elements = self.max_factor_bytes // torch.empty((), dtype=torch.get_default_dtype()).element_size()
+        factors = compute_log_factors(
+            model_trace, guide_trace, sources, detach_guide_proposals, max_elements
+        )
         estimate = contract_log_factors([f.tensor for f in factors], plate_scales(model_trace))
         check_finite(factors, estimate)
         return estimate

@@ -1,0 +1,292 @@
+"""
+The paper's MNIST experiment (Aitchison 2019, Figs. 5 and 6): a VAE with five
+stochastic layers, trained with IWAE_ELBO or TMC_ELBO at K=20 under plain,
+STL and DReGs gradients, for three recognition models, evaluated under both bounds.
+
+Generative model, top to bottom: z4 -> z8 -> z16 -> z32 -> z64 -> x (the name is
+the number of units). Between stochastic layers sit two deterministic layers of
+twice the units of the layer above (8, 16, 32, 64, 128), leaky ReLU, standard
+deviations ``0.01 + softplus``, weight normalisation, Bernoulli pixels.
+
+Recognition models, bottom to top:
+
+- ``"factorised"``: a deterministic chain ``h_1 = MLP(x)``,
+  ``h_i = MLP(Linear(h_{i-1}))``; each layer ``z_i ~ N(Linear(h_i), sd(h_i))`` given x only.
+- ``"small"``: non-factorised, ``h_i = MLP(z_{i-1})`` with ``z_0 = x``; MLP widths 128, 64, 32, 16, 8.
+- ``"large"``: the same with widths 512, 256, 128, 64, 32.
+
+The factorised model uses the small widths. Under TMC_ELBO every layer gets its
+own K particles; the non-factorised guides are drawn with ``proposal="mixture"``.
+"""
+
+import argparse
+import dataclasses
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import pyro
+import pyro.distributions as dist
+from pyro.infer import SVI
+from pyro.optim import Adam
+from torch.nn.utils.parametrizations import weight_norm
+from tqdm import tqdm
+
+from .. import IWAE_ELBO, TMC_ELBO
+from ..datasets import load_dataset
+from . import plots, report
+
+LAYERS = (4, 8, 16, 32, 64)  # stochastic units, top to bottom
+RECOGNITION_WIDTHS = {"small": (128, 64, 32, 16, 8), "large": (512, 256, 128, 64, 32)}
+RECOGNITIONS = ("factorised", "small", "large")
+OBJECTIVES = ("iwae", "tmc")
+VARIANCE_REDUCTIONS = (None, "stl", "dregs")
+
+
+def _linear(n_in: int, n_out: int) -> nn.Module:
+    return weight_norm(nn.Linear(n_in, n_out))
+
+
+def _mlp(n_in: int, width: int) -> nn.Sequential:
+    """Two weight-normalised dense layers with leaky ReLU."""
+    return nn.Sequential(_linear(n_in, width), nn.LeakyReLU(), _linear(width, width), nn.LeakyReLU())
+
+
+def _batch_plate(x: torch.Tensor, num_data: Optional[int]) -> pyro.plate:
+    # The caller draws the minibatch (dynamic binarisation needs the same draw in model
+    # and guide), so the plate only sets the scale; its own subsample indices go unused.
+    return pyro.plate("batch", num_data or len(x), subsample_size=len(x))
+
+
+class GaussianHead(nn.Module):
+    """``h -> (loc, 0.01 + softplus(.))``; the floor keeps standard deviations away from zero."""
+
+    def __init__(self, n_in: int, n_out: int) -> None:
+        super().__init__()
+        self.loc = _linear(n_in, n_out)
+        self.scale = _linear(n_in, n_out)
+
+    def forward(self, h: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        return self.loc(h), 0.01 + F.softplus(self.scale(h))
+
+
+class Generative(nn.Module):
+    def __init__(self, data_dim: int) -> None:
+        super().__init__()
+        self.hidden = nn.ModuleList(_mlp(n, 2 * n) for n in LAYERS)
+        self.heads = nn.ModuleList(GaussianHead(2 * n, m) for n, m in zip(LAYERS, LAYERS[1:]))
+        self.logits = _linear(2 * LAYERS[-1], data_dim)
+
+    def model(self, x: torch.Tensor, num_data: Optional[int] = None) -> None:
+        """
+        :param torch.Tensor x: a binary batch, shape ``(batch, data_dim)``.
+        :param int num_data: the data size that the batch stands for (its plate's scale
+            is ``num_data / len(x)``); by default the batch is the whole data.
+        """
+        pyro.module("generative", self)
+        with _batch_plate(x, num_data):
+            z = pyro.sample(f"z{LAYERS[0]}", dist.Normal(x.new_zeros(LAYERS[0]), 1.0).to_event(1))
+            for hidden, head, units in zip(self.hidden, self.heads, LAYERS[1:]):
+                z = pyro.sample(f"z{units}", dist.Normal(*head(hidden(z))).to_event(1))
+            pyro.sample("x", dist.Bernoulli(logits=self.logits(self.hidden[-1](z))).to_event(1), obs=x)
+
+
+class FactorisedRecognition(nn.Module):
+    """Every layer depends on x alone, through a deterministic chain mirroring the small model."""
+
+    def __init__(self, data_dim: int) -> None:
+        super().__init__()
+        units = LAYERS[::-1]  # bottom to top
+        widths = RECOGNITION_WIDTHS["small"]
+        self.hidden = nn.ModuleList([_mlp(data_dim, widths[0])])
+        self.hidden.extend(
+            nn.Sequential(_linear(w_prev, n_prev), _mlp(n_prev, w))
+            for w_prev, n_prev, w in zip(widths, units, widths[1:])
+        )
+        self.heads = nn.ModuleList(GaussianHead(w, n) for w, n in zip(widths, units))
+
+    def guide(self, x: torch.Tensor, num_data: Optional[int] = None) -> None:
+        pyro.module("recognition", self)
+        with _batch_plate(x, num_data):
+            h = x
+            for hidden, head, units in zip(self.hidden, self.heads, LAYERS[::-1]):
+                h = hidden(h)
+                pyro.sample(f"z{units}", dist.Normal(*head(h)).to_event(1))
+
+
+class NonFactorisedRecognition(nn.Module):
+    """``Q(z_i | z_{i-1})`` through a two-layer MLP of ``z_{i-1}`` (``z_0 = x``)."""
+
+    def __init__(self, data_dim: int, widths: Sequence[int]) -> None:
+        super().__init__()
+        units = LAYERS[::-1]
+        inputs = (data_dim,) + units[:-1]
+        self.hidden = nn.ModuleList(_mlp(n, w) for n, w in zip(inputs, widths))
+        self.heads = nn.ModuleList(GaussianHead(w, n) for w, n in zip(widths, units))
+
+    def guide(self, x: torch.Tensor, num_data: Optional[int] = None) -> None:
+        pyro.module("recognition", self)
+        with _batch_plate(x, num_data):
+            z = x
+            for hidden, head, units in zip(self.hidden, self.heads, LAYERS[::-1]):
+                z = pyro.sample(f"z{units}", dist.Normal(*head(hidden(z))).to_event(1))
+
+
+def recognition_model(name: str, data_dim: int) -> nn.Module:
+    if name == "factorised":
+        return FactorisedRecognition(data_dim)
+    if name in RECOGNITION_WIDTHS:
+        return NonFactorisedRecognition(data_dim, RECOGNITION_WIDTHS[name])
+    raise ValueError(f"unknown recognition model {name!r}; expected one of {RECOGNITIONS}")
+
+
+def make_elbo(objective: str, num_samples: int, variance_reduction: Optional[str] = None):
+    """:param str objective: ``"iwae"`` or ``"tmc"``."""
+    if objective == "tmc":
+        return TMC_ELBO(num_samples=num_samples, max_plate_nesting=1, variance_reduction=variance_reduction)
+    if objective == "iwae":
+        return IWAE_ELBO(num_samples=num_samples, max_plate_nesting=1, variance_reduction=variance_reduction)
+    raise ValueError(f"unknown objective {objective!r}; expected one of {OBJECTIVES}")
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Everything that builds one model, guide and loss and trains them: what a worker process needs."""
+
+    recognition: str = "factorised"
+    objective: str = "tmc"
+    variance_reduction: Optional[str] = None
+    num_samples: int = 20
+    epochs: int = 1
+    batch_size: int = 100
+    device: str = "cpu"
+    seed: int = 0
+
+
+@dataclasses.dataclass
+class TrainedVAE:
+    generative: Generative
+    recognition: nn.Module
+    seconds_per_epoch: float
+    steps: int
+    final_loss: float  # minus the training bound per data point, mean of the last epoch
+
+
+def binarise(images: torch.Tensor) -> torch.Tensor:
+    """Dynamic binarisation: a fresh Bernoulli draw of the pixels every time a batch is used."""
+    return torch.bernoulli(images)
+
+
+def train(config: TrainConfig, images: torch.Tensor, progress: bool = True) -> TrainedVAE:
+    """
+    Train one configuration with Adam (PyTorch defaults) on minibatches of ``images``.
+    This is the unit of work of the grid; a multi-process launcher would call it
+    once per worker (its data shard and device in ``config``).
+
+    :param TrainConfig config: model, guide and loss construction, and training length.
+    :param torch.Tensor images: grey levels in [0, 1), shape ``(n, data_dim)``.
+    :raises NotImplementedError: when the loss does not support the guide (TMC DReGs
+        with a non-factorised recognition model), at the first step.
+    """
+    pyro.set_rng_seed(config.seed)
+    pyro.clear_param_store()
+    images = images.to(config.device)
+    generative = Generative(images.shape[-1]).to(config.device)
+    recognition = recognition_model(config.recognition, images.shape[-1]).to(config.device)
+    elbo = make_elbo(config.objective, config.num_samples, config.variance_reduction)
+    svi = SVI(generative.model, recognition.guide, Adam({}), loss=elbo)
+    steps, epoch_seconds, losses = 0, [], []
+    bar = tqdm(total=config.epochs * -(-len(images) // config.batch_size), desc=_label(config),
+               disable=not progress, leave=False)
+    for _ in range(config.epochs):
+        start, losses = time.perf_counter(), []
+        for batch in torch.randperm(len(images), device=config.device).split(config.batch_size):
+            losses.append(svi.step(binarise(images[batch])) / len(batch))
+            steps += 1
+            bar.update()
+        epoch_seconds.append(time.perf_counter() - start)
+    bar.close()
+    return TrainedVAE(generative, recognition, sum(epoch_seconds) / len(epoch_seconds), steps,
+                      sum(losses) / len(losses))
+
+
+def evaluate(trained: TrainedVAE, objective: str, images: torch.Tensor, num_samples: int,
+             batch_size: int = 100, seed: int = 0) -> float:
+    """The bound per data point on (freshly binarised) ``images``, averaged over batches."""
+    pyro.set_rng_seed(seed)
+    elbo = make_elbo(objective, num_samples)
+    total = 0.0
+    for batch in images.split(batch_size):
+        x = binarise(batch.to(next(trained.generative.parameters()).device))
+        total += elbo.log_evidence(trained.generative.model, trained.recognition.guide, x).item()
+    return total / len(images)
+
+
+def _label(config: TrainConfig) -> str:
+    return f"{config.objective}/{config.variance_reduction or 'none'}/{config.recognition}"
+
+
+def run_grid(configs: Sequence[TrainConfig], train_images: torch.Tensor, test_images: torch.Tensor,
+             eval_samples: int) -> List[Dict]:
+    """Train every configuration and evaluate it under both objectives; unsupported ones are rows marked skipped."""
+    rows = []
+    for config in tqdm(configs, desc="vae grid"):
+        row = {"recognition": config.recognition, "trained with": config.objective,
+               "variance reduction": config.variance_reduction or "none"}
+        try:
+            trained = train(config, train_images)
+        except NotImplementedError as error:
+            rows.append(dict(row, note="skipped: " + str(error).split(",")[0]))
+            continue
+        row.update({
+            "train bound": -trained.final_loss,
+            "test IWAE": evaluate(trained, "iwae", test_images, eval_samples),
+            "test TMC": evaluate(trained, "tmc", test_images, eval_samples),
+            "s/epoch": trained.seconds_per_epoch,
+            "steps": trained.steps,
+            "note": "",
+        })
+        rows.append(row)
+    return rows
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    report.add_common_arguments(parser, "vae")
+    parser.add_argument("--mnist", default=None,
+                        help="the pickled MNIST split (default: $PYRO_TMC_MNIST, else torchvision; "
+                             "--quick without either uses the embedded digits)")
+    parser.add_argument("--recognition", nargs="+", default=list(RECOGNITIONS), choices=RECOGNITIONS)
+    parser.add_argument("--objectives", nargs="+", default=list(OBJECTIVES), choices=OBJECTIVES)
+    parser.add_argument("--variance-reductions", nargs="+", default=["none", "stl", "dregs"],
+                        choices=["none", "stl", "dregs"])
+    parser.add_argument("--num-samples", type=int, default=20, help="K for training and evaluation")
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--batch-size", type=int, default=100)
+    parser.add_argument("--train-size", type=int, default=None, help="use the first n training images")
+    parser.add_argument("--test-size", type=int, default=None, help="use the first n test images")
+
+
+def run(args: argparse.Namespace) -> List[Dict]:
+    if args.quick:
+        args.train_size, args.test_size = args.train_size or 64, args.test_size or 32
+        args.batch_size, args.num_samples = min(args.batch_size, 16), min(args.num_samples, 4)
+    data = load_dataset(args.mnist, embedded=args.quick)
+    train_images = data["train"].images[: args.train_size]
+    test_images = data["test"].images[: args.test_size]
+    configs = [
+        TrainConfig(recognition, objective, None if vr == "none" else vr, args.num_samples, args.epochs,
+                    args.batch_size, device=args.device, seed=args.seed)
+        for recognition in args.recognition for objective in args.objectives for vr in args.variance_reductions
+    ]
+    print(f"VAE grid: {len(configs)} configurations, {len(train_images)} training and {len(test_images)} "
+          f"test images of {train_images.shape[-1]} pixels, K={args.num_samples}, {args.epochs} epoch(s)")
+    rows = run_grid(configs, train_images, test_images, args.num_samples)
+    out = report.output_dir(args.out)
+    report.write_csv(rows, f"{out}/vae.csv")
+    columns = ["recognition", "trained with", "variance reduction", "train bound", "test IWAE", "test TMC",
+               "s/epoch", "note"]
+    print(report.format_table(rows, columns, floats="{:.2f}"))
+    plots.vae_figures(rows, out)
+    return rows
