@@ -78,6 +78,26 @@ def chain_steps(num_samples: int, device: str) -> Dict[str, Callable[[], None]]:
     return steps
 
 
+def vae_steps(num_samples: int, device: str, recognition: str = "factorised") -> Dict[str, Callable[[], None]]:
+    """One step of the paper's 5-layer MNIST VAE on a batch of 100 (random binary pixels: timing only)."""
+    from pyro_tmc.experiments import vae
+
+    x = torch.bernoulli(torch.full((100, 784), 0.3, device=device))
+    generative = vae.Generative(784).to(device)
+    guide = vae.recognition_model(recognition, 784).to(device)
+
+    def step_with(loss):
+        def step():
+            loss.differentiable_loss(generative.model, guide.guide, x).backward()
+
+        return step
+
+    return {
+        "TMC_ELBO": step_with(TMC_ELBO(num_samples=num_samples, max_plate_nesting=1)),
+        "IWAE_ELBO": step_with(IWAE_ELBO(num_samples=num_samples, max_plate_nesting=1)),
+    }
+
+
 def median_seconds(steps: Dict[str, Callable[[], None]], repeats: int, device: str) -> Dict[str, float]:
     """Interleaved timing: each round runs every method once."""
     times: Dict[str, List[float]] = {name: [] for name in steps}
@@ -155,6 +175,10 @@ def main(argv=None) -> None:
     k = 32 if args.quick else 128
     run_case(f"non-factorised 5-layer Gaussian chain, K={k} (forward + backward)", chain_steps(k, args.device),
              repeats, args.device, "pyro_tmc TMC_ELBO (mixture)", memory=not args.no_memory)
+    for recognition in ("factorised", "small"):
+        run_case(f"5-layer MNIST VAE ({recognition} recognition), batch 100, K=20: one SVI step",
+                 vae_steps(20, args.device, recognition), repeats, args.device, "IWAE_ELBO",
+                 memory=not args.no_memory)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from pyro.distributions.util import scale_and_mask
 from pyro.ops.packed import pack
 from pyro.poutine import Trace
 
+from . import log_density
 from .contraction import ChunkedFactor
 from .proposals import ParticleDraw, proposal_log_prob
 
@@ -75,7 +76,7 @@ def _site_plate_scale(site) -> float:
 def _log_prob(site, value=None) -> torch.Tensor:
     fn = site["fn"]
     try:
-        return fn.log_prob(site["value"] if value is None else value, *site["args"], **site["kwargs"])
+        return log_density.log_prob(fn, site["value"] if value is None else value, *site["args"], **site["kwargs"])
     except ValueError as e:
         raise ValueError(f"Error while computing log_prob at site '{site['name']}': {e}") from e
 

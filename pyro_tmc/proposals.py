@@ -29,6 +29,8 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch.distributions import Distribution, Independent
 
+from . import log_density
+
 PROPOSALS = ("mixture", "permutation", "diagonal")
 
 
@@ -146,7 +148,7 @@ def _index_params(
         base = _index_params(
             fn.base_dist, {d - shift: p for d, p in picks.items()}, target_dim - shift
         )
-        return None if base is None else Independent(base, shift)
+        return None if base is None else type(fn)(base, shift)  # keeps Pyro's Independent (callable)
     if type(fn).__name__ in ("MaskedDistribution", "ExpandedDistribution", "TransformedDistribution"):
         return None
     batch_ndim = len(fn.batch_shape)
@@ -264,7 +266,7 @@ def proposal_log_prob(
         picks[draw.target_dim] = torch.arange(draw.num_particles, device=value.device)
         return _select_particles(log_q, log_q.dim(), _aligned(picks, log_q.dim()), draw.target_dim)
     # mixture / permutation: average the density over every upstream particle.
-    log_q = fn.log_prob(value)
+    log_q = log_density.log_prob(fn, value)
     dims = [d for d in draw.parent_dims if -d <= log_q.dim() and log_q.shape[d] > 1]
     if not dims:
         return log_q

@@ -78,6 +78,38 @@ def test_contraction_equals_brute_force(strategy):
     assert torch.allclose(estimate, brute, atol=1e-5), (estimate, brute)
 
 
+def _vector_chain_model():
+    z0 = pyro.sample("z0", dist.Normal(torch.zeros(1), 1.0).to_event(1))
+    z1 = pyro.sample("z1", dist.Normal(z0, 1.0).to_event(1))
+    pyro.sample("x", dist.Normal(z1, 1.0).to_event(1), obs=X_OBS.reshape(1))
+
+
+def _vector_chain_guide():
+    z0 = pyro.sample("z0", dist.Normal(torch.full((1,), 0.3), 1.1).to_event(1))
+    pyro.sample("z1", dist.Normal(0.5 * z0 + 0.1, 0.8).to_event(1))
+
+
+def _scalar_chain_model():
+    z0 = pyro.sample("z0", dist.Normal(0.0, 1.0))
+    z1 = pyro.sample("z1", dist.Normal(z0, 1.0))
+    pyro.sample("x", dist.Normal(z1, 1.0), obs=X_OBS)
+
+
+def _scalar_chain_guide():
+    z0 = pyro.sample("z0", dist.Normal(0.3, 1.1))
+    pyro.sample("z1", dist.Normal(0.5 * z0 + 0.1, 0.8))
+
+
+@pytest.mark.parametrize("strategy", ["mixture", "permutation", "diagonal"])
+def test_event_dims_match_scalar_sites(strategy):
+    """The same non-factorised chain with `.to_event(1)` over one unit: identical draws, identical estimate."""
+    estimates = []
+    for model, guide in ((_vector_chain_model, _vector_chain_guide), (_scalar_chain_model, _scalar_chain_guide)):
+        pyro.set_rng_seed(9)
+        estimates.append(TMC_ELBO(num_samples=6, max_plate_nesting=0, proposal=strategy).log_evidence(model, guide))
+    assert torch.allclose(estimates[0], estimates[1], atol=1e-5)
+
+
 def test_thin_sampling_draws_k_particles_only():
     """A non-factorised site's particles carry no parent dims: K draws, not K x K_parent."""
     with tmc(num_samples=5, first_available_dim=-1):
