@@ -6,10 +6,10 @@ import warnings
 import torch
 import pyro
 import pyro.poutine as poutine
-from pyro.infer.elbo import ELBO
 from pyro.poutine.util import prune_subsample_sites
 from pyro.util import warn_if_nan
 
+from .base import DifferentiableLossELBO
 from ..factors import check_variance_reduction
 from ..poutine.tmc_messenger import check_num_samples
 from .path_gradients import path_surrogate, with_leaf_values
@@ -18,7 +18,7 @@ _SAMPLE_PLATE = "_iwae_samples"
 _REPEAT_PLATE = "_iwae_repetitions"
 
 
-class IWAE_ELBO(ELBO):
+class IWAE_ELBO(DifferentiableLossELBO):
     """
     The importance-weighted bound [1] with ``num_samples`` joint samples:
     ``log 1/K sum_k p(x, z^k) / q(z^k)``, with ``z^k`` a whole draw of the guide.
@@ -164,22 +164,6 @@ class IWAE_ELBO(ELBO):
         warn_if_nan(loss, "loss")
         return loss
 
-    def loss(self, model, guide, *args, **kwargs) -> float:
-        """:returns: minus the bound, as a float."""
-        with torch.no_grad():
-            return self.differentiable_loss(model, guide, *args, **kwargs).item()
-
-    def loss_and_grads(self, model, guide, *args, **kwargs) -> float:
-        """Computes minus the bound, backpropagates it, and returns it as a float."""
-        loss = self.differentiable_loss(model, guide, *args, **kwargs)
-        if loss.requires_grad:
-            loss.backward(retain_graph=self.retain_graph)
-        return loss.item()
-
-    def log_evidence(self, model, guide, *args, **kwargs) -> torch.Tensor:
-        """:returns: the bound of one draw (averaged over ``num_particles``), detached."""
-        with torch.no_grad():
-            return self._log_bound(model, guide, args, kwargs)
 
 
 def _log_mean_exp(log_w: torch.Tensor) -> torch.Tensor:

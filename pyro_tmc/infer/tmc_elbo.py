@@ -5,13 +5,13 @@ from typing import Iterator, Optional, Tuple
 
 import torch
 import pyro.poutine as poutine
-from pyro.infer.elbo import ELBO
 from pyro.infer.util import is_validation_enabled
 from pyro.poutine import Trace
 from pyro.poutine.util import prune_subsample_sites
 from pyro.util import check_model_guide_match, warn_if_nan
 
 from ..contraction import contract_log_factors
+from .base import DifferentiableLossELBO
 from ..factors import (
     check_finite,
     check_variance_reduction,
@@ -43,7 +43,7 @@ def latent_site_names(trace: Trace):
     ]
 
 
-class TMC_ELBO(ELBO):
+class TMC_ELBO(DifferentiableLossELBO):
     """
     The Tensor Monte Carlo estimate of log p(x) [1] as a Pyro loss.
 
@@ -233,18 +233,6 @@ class TMC_ELBO(ELBO):
         warn_if_nan(loss, "loss")
         return loss
 
-    def loss(self, model, guide, *args, **kwargs) -> float:
-        """:returns: ``-log P_TMC`` as a float (no gradients)."""
-        with torch.no_grad():
-            return self.differentiable_loss(model, guide, *args, **kwargs).item()
-
-    def loss_and_grads(self, model, guide, *args, **kwargs) -> float:
-        """Computes ``-log P_TMC``, backpropagates it, and returns it as a float."""
-        loss = self.differentiable_loss(model, guide, *args, **kwargs)
-        if loss.requires_grad:
-            loss.backward(retain_graph=self.retain_graph)
-        return loss.item()
-
     # -- the posterior of one draw -------------------------------------------
 
     def _one_draw(self, model, guide, args, kwargs) -> Tuple[Trace, Trace]:
@@ -284,14 +272,6 @@ class TMC_ELBO(ELBO):
             model_trace, guide_trace = self._one_draw(model, guide, args, kwargs)
         return posterior.sample_posterior(model_trace, guide_trace, num_draws)
 
-    def log_evidence(self, model, guide, *args, **kwargs) -> torch.Tensor:
-        """
-        :returns: the scalar ``log P_TMC`` of one draw (averaged over
-            ``num_particles`` draws when that is above 1), detached.
-        :rtype: torch.Tensor
-        """
-        with torch.no_grad():
-            return -self.differentiable_loss(model, guide, *args, **kwargs)
 
 
 def _zero_if_none(grad, like):
