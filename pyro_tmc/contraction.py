@@ -118,7 +118,7 @@ class PlateScaledLogRing(LogRing):
 def _align(term: torch.Tensor, dims: str) -> torch.Tensor:
     """View a packed ``term`` (whose dims are a subset of ``dims``) so it broadcasts against ``dims``."""
     own = [d for d in dims if d in term._pyro_dims]
-    aligned = term.permute(*(term._pyro_dims.index(d) for d in own))
+    aligned = term.permute(tuple(term._pyro_dims.index(d) for d in own))
     shape = [aligned.shape[own.index(d)] if d in own else 1 for d in dims]
     return aligned.reshape(shape)
 
@@ -226,7 +226,7 @@ def eliminate_in_chunks(
             tensor._pyro_dims = term._pyro_dims
             terms.append(_narrow(tensor, lazy.symbol, start, stop))
         msg = _contract(terms, plate_scales, all_dims, target_ordinal=home, target_dims=kept)
-        return msg.permute(*(msg._pyro_dims.index(d) for d in out_dims)) if out_dims else msg
+        return msg.permute(tuple(msg._pyro_dims.index(d) for d in out_dims))
 
     pieces = [
         checkpoint(message, start, stop, *group, use_reentrant=False) for start, stop in lazy.ranges()

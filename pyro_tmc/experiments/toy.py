@@ -1,4 +1,4 @@
-"""The paper's toy model (Aitchison 2019, "Comparing TMC, SMC and IWAE").
+"""The paper's toy model (Aitchison 2019, Fig. 3): TMC vs SMC vs IWAE.
 
     theta ~ N(0, 1),  z_i ~ N(theta, 1),  x_i ~ N(z_i, 1),  i = 1..N,
 
@@ -6,13 +6,16 @@ with proposals Q(theta) = N(0, 1) and Q(z_i) = N(0, 2), the generative marginals
 Everything is jointly Gaussian, so log p(x) is exact: x ~ N(0, 2 I + 1 1^T).
 """
 
+import argparse
 import math
-import time
 from typing import Dict, List, Sequence
 
 import torch
 import pyro
 import pyro.distributions as dist
+
+from .report import timed_draws
+from .smc import smc_log_evidence
 
 
 def model(x: torch.Tensor) -> None:
@@ -49,17 +52,36 @@ def exact_log_evidence(x: torch.Tensor) -> float:
 
 def time_bound(elbo, x: torch.Tensor, repeats: int) -> Dict[str, float]:
     """Mean and standard error of ``elbo.log_evidence`` over ``repeats`` draws, and seconds per draw."""
-    values: List[float] = []
-    elbo.log_evidence(model, guide, x)  # warm-up: plate nesting guess, path caches
-    start = time.perf_counter()
-    for _ in range(repeats):
-        values.append(elbo.log_evidence(model, guide, x).item())
-    if x.is_cuda:
-        torch.cuda.synchronize()
-    seconds = (time.perf_counter() - start) / repeats
-    mean = sum(values) / len(values)
-    var = sum((v - mean) ** 2 for v in values) / max(len(values) - 1, 1)
-    return {"mean": mean, "se": math.sqrt(var / len(values)), "seconds": seconds}
+    return timed_draws(lambda: elbo.log_evidence(model, guide, x).item(), repeats, x.device)
+
+
+def iwae_log_evidence(x: torch.Tensor, num_samples: int, chunk_size: int = 10000) -> float:
+    """
+    The IWAE bound with ``num_samples`` joint samples, drawn ``chunk_size`` at a
+    time so that memory stays bounded: each chunk's log-mean-exp is combined as
+    ``log sum_c (n_c / K) exp(bound_c)``.
+    """
+    from pyro_tmc import IWAE_ELBO
+
+    sizes = [chunk_size] * (num_samples // chunk_size)
+    sizes += [num_samples % chunk_size] if num_samples % chunk_size else []
+    bounds = torch.stack(
+        [IWAE_ELBO(num_samples=n, max_plate_nesting=1).log_evidence(model, guide, x) for n in sizes]
+    )
+    weights = torch.tensor(sizes, dtype=bounds.dtype, device=bounds.device) / num_samples
+    return torch.logsumexp(bounds + weights.log(), 0).item()
+
+
+def estimate(method: str, x: torch.Tensor, num_samples: int, repeats: int) -> Dict[str, float]:
+    """Mean, standard error and seconds per estimate of ``method`` (``"TMC"``, ``"SMC"`` or ``"IWAE"``)."""
+    from pyro_tmc import TMC_ELBO
+
+    draws = {
+        "TMC": lambda: TMC_ELBO(num_samples=num_samples, max_plate_nesting=1).log_evidence(model, guide, x).item(),
+        "SMC": lambda: smc_log_evidence(x, num_samples).item(),
+        "IWAE": lambda: iwae_log_evidence(x, num_samples),
+    }
+    return timed_draws(draws[method], repeats, x.device)
 
 
 def bounds_table(
@@ -92,3 +114,72 @@ def format_table(rows: List[Dict]) -> str:
             f"{1e3 * tmc['seconds']:>8.2f} {1e3 * iwae['seconds']:>8.2f}"
         )
     return "\n".join(lines)
+
+
+def sweep(panel: str, settings: Sequence[Dict], repeats: int, device: str) -> List[Dict]:
+    """
+    One result row per (setting, method), and one ``"exact"`` row per setting.
+
+    :param str panel: ``"K"`` (N fixed) or ``"N"`` (K fixed): the swept variable, for the figure.
+    :param settings: dicts with ``"K"``, ``"N"`` and the ``methods`` to run at that setting.
+    """
+    from tqdm import tqdm
+
+    rows = []
+    for setting in tqdm(settings, desc=f"toy: sweep over {panel}"):
+        x = sample_data(setting["N"], device=device)
+        rows.append(dict(panel=panel, method="exact", K=setting["K"], N=setting["N"], mean=exact_log_evidence(x)))
+        for method in setting["methods"]:
+            result = estimate(method, x, setting["K"], repeats)
+            rows.append(dict(panel=panel, method=method, K=setting["K"], N=setting["N"], **result))
+    return rows
+
+
+def pivot(rows: Sequence[Dict], panel: str) -> List[Dict]:
+    """One line per value of the swept variable: each method's bound and milliseconds side by side."""
+    fixed = "N" if panel == "K" else "K"
+    lines: Dict[int, Dict] = {}
+    for row in rows:
+        line = lines.setdefault(row[panel], {panel: row[panel], fixed: row[fixed]})
+        line[row["method"]] = row["mean"]
+        if "seconds" in row:
+            line[f"{row['method']} ms"] = 1e3 * row["seconds"]
+    return [lines[key] for key in sorted(lines)]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from .report import add_common_arguments
+
+    add_common_arguments(parser, "toy")
+    parser.add_argument("--num-data", type=int, default=128, help="N for the sweep over K (panels A, B)")
+    parser.add_argument("--ks", type=int, nargs="+", default=[1, 4, 16, 64, 256, 1024], help="K for TMC and SMC")
+    parser.add_argument("--iwae-ks", type=int, nargs="+", default=[10**4, 10**5, 10**6],
+                        help="further K for IWAE alone (chunked joint samples)")
+    parser.add_argument("--num-samples", type=int, default=128, help="K for the sweep over N (panels C, D)")
+    parser.add_argument("--ns", type=int, nargs="+", default=[1, 4, 16, 64, 256, 1024], help="N for panels C, D")
+    parser.add_argument("--repeats", type=int, default=5, help="independent estimates per point")
+
+
+def run(args: argparse.Namespace) -> List[Dict]:
+    """Paper Fig. 3: TMC, SMC, IWAE and the exact log p(x), swept over K and over N."""
+    from . import plots, report
+
+    if args.quick:
+        args.ks, args.iwae_ks, args.ns, args.num_samples, args.repeats = [1, 4, 16], [64], [4, 16], 16, 2
+    torch.manual_seed(args.seed)
+    all_methods = ("TMC", "SMC", "IWAE")
+    k_settings = [dict(K=k, N=args.num_data, methods=all_methods) for k in args.ks]
+    k_settings += [dict(K=k, N=args.num_data, methods=("IWAE",)) for k in args.iwae_ks]
+    n_settings = [dict(K=args.num_samples, N=n, methods=all_methods) for n in args.ns]
+    k_rows = sweep("K", k_settings, args.repeats, args.device)
+    n_rows = sweep("N", n_settings, args.repeats, args.device)
+
+    out = report.output_dir(args.out)
+    report.write_csv(k_rows + n_rows, f"{out}/toy.csv")
+    plots.toy_figure(k_rows, n_rows, f"{out}/toy.png")
+    methods = ["exact", "TMC", "SMC", "IWAE", "TMC ms", "SMC ms", "IWAE ms"]
+    print(f"A, B: bound and time vs K at N={args.num_data} ({args.repeats} estimates per point)")
+    print(report.format_table(pivot(k_rows, "K"), ["K"] + methods, floats="{:.2f}"))
+    print(f"C, D: bound and time vs N at K={args.num_samples}")
+    print(report.format_table(pivot(n_rows, "N"), ["N"] + methods, floats="{:.2f}"))
+    return k_rows + n_rows

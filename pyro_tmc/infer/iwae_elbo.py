@@ -133,7 +133,10 @@ class IWAE_ELBO(DifferentiableLossELBO):
         guide_trace.compute_log_prob()
 
         log_w = self._log_weights(model_trace, guide_trace, self._log_q(guide_trace))
-        grads = torch.autograd.grad(_log_mean_exp(log_w).sum(), list(leaves.values()), allow_unused=True)
+        # retain: the plain bound below reuses the model's networks' graph
+        grads = torch.autograd.grad(
+            _log_mean_exp(log_w).sum(), list(leaves.values()), allow_unused=True, retain_graph=True
+        )
         weights = event_dims = None
         if self.variance_reduction == "dregs":
             # One latent (the joint sample): its marginal weight is the normalised weight.

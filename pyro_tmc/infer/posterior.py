@@ -119,7 +119,7 @@ def _condition(term: torch.Tensor, symbol: str, index: torch.Tensor) -> torch.Te
 
 def _aligned(term: torch.Tensor, dims: List[str], sizes: Dict[str, int], expand_to: List[str]) -> torch.Tensor:
     own = [d for d in dims if d in term._pyro_dims]
-    tensor = term.permute(*(term._pyro_dims.index(d) for d in own))
+    tensor = term.permute(tuple(term._pyro_dims.index(d) for d in own))
     tensor = tensor.reshape([sizes[d] if d in own else 1 for d in dims])
     shape = [sizes[d] if d in expand_to else tensor.shape[i] for i, d in enumerate(dims)]
     return tensor.expand(shape)
@@ -188,7 +188,7 @@ def _gather_values(site, index: torch.Tensor, plate_to_symbol: Dict[str, str]) -
     symbols = _plate_symbols(site, plate_to_symbol)
     index_dims = index._pyro_dims
     present = [DRAWS] + [d for d in symbols if d in index_dims]
-    index = index.permute(*(index_dims.index(d) for d in present))
+    index = index.permute(tuple(index_dims.index(d) for d in present))
     index = index.reshape(
         index.shape[:1] + tuple(size if symbol in index_dims else 1 for size, symbol in zip(plates, symbols))
     )

@@ -201,7 +201,8 @@ class TMC_ELBO(DifferentiableLossELBO):
             sources = marginal_sources(model_trace, names, particle_shape)
         log_p = self._log_estimate(model_trace, guide_trace, sources)
         inputs = list(leaves.values()) + list(sources.values())
-        grads = torch.autograd.grad(log_p, inputs, allow_unused=True)
+        # retain: the plain bound below reuses the model's and guide's networks' graph
+        grads = torch.autograd.grad(log_p, inputs, allow_unused=True, retain_graph=True)
         value_grads = dict(zip(leaves, grads[: len(leaves)]))
         weights = event_dims = None
         if sources:
