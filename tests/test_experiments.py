@@ -126,3 +126,15 @@ def test_real_mnist():
     assert [len(split.images) for split in data.values()] == [50000, 10000, 10000]
     assert data["train"].images.shape[1] == 784
     assert 0 <= data["test"].images.min() and data["test"].images.max() < 1
+
+
+def test_vae_data_parallel_two_processes(tmp_path):
+    """`python -m pyro_tmc vae --devices 2`: two gloo processes train the VAE with TMC."""
+    pytest.importorskip("lightning")
+    from pyro_tmc.__main__ import main
+
+    main(["vae", "--quick", "--devices", "2", "--out", str(tmp_path)])
+    with open(tmp_path / "vae_data_parallel.csv") as f:
+        (row,) = list(csv.DictReader(f))
+    assert row["trained with"] == "tmc" and row["devices"] == "2"
+    assert math.isfinite(float(row["train bound"]))
