@@ -137,7 +137,6 @@ def sample_posterior(model_trace: Trace, guide_trace: Trace, num_draws: int) -> 
     scales[DRAWS] = 1.0
     with torch.no_grad():
         factors = [f.tensor for f in compute_log_factors(model_trace, guide_trace)]
-    factors = [_with_draws(t, num_draws) for t in factors]
     draws = {}
     for name in names:
         site = model_trace.nodes[name]
@@ -148,25 +147,48 @@ def sample_posterior(model_trace: Trace, guide_trace: Trace, num_draws: int) -> 
     return draws
 
 
-def _with_draws(term: torch.Tensor, num_draws: int) -> torch.Tensor:
-    expanded = term.expand((num_draws,) + term.shape)
-    expanded._pyro_dims = DRAWS + term._pyro_dims
-    return expanded
+def _with_draws_where_needed(factors: List[torch.Tensor], num_draws: int, plates) -> List[torch.Tensor]:
+    """
+    Give the draws' dim (as views) to every factor that shares a sum dim, directly
+    or through others, with a factor already conditioned on drawn particles: those
+    sums differ between draws. The rest is the same for every draw and stays small,
+    so memory grows with num_draws only where the draws have made things differ.
+    """
+    carrying = {i for i, t in enumerate(factors) if DRAWS in t._pyro_dims}
+    dims = set().union(*(set(factors[i]._pyro_dims) for i in carrying)) - set(plates) - {DRAWS} if carrying else set()
+    grown = True
+    while grown:
+        grown = False
+        for i, term in enumerate(factors):
+            if i not in carrying and dims & set(term._pyro_dims):
+                carrying.add(i)
+                dims |= set(term._pyro_dims) - set(plates)
+                grown = True
+    result = []
+    for i, term in enumerate(factors):
+        if i in carrying and DRAWS not in term._pyro_dims:
+            expanded = term.expand((num_draws,) + term.shape)
+            expanded._pyro_dims = DRAWS + term._pyro_dims
+            term = expanded
+        result.append(term)
+    return result
 
 
 def _draw_particle(factors, scales, site, symbol: str, num_draws: int) -> torch.Tensor:
     """One particle of ``site`` per draw and plate element, from its conditional marginal."""
-    dims = [DRAWS, symbol] + [d for d in site["infer"]["_dim_to_symbol"].values() if d in scales]
+    factors = _with_draws_where_needed(list(factors), num_draws, scales)
     sizes = {}
     for term in factors:
         sizes.update(zip(term._pyro_dims, term.shape))
-    dims = [d for d in dims if d in sizes]
-    plates = [d for d in dims if d not in (DRAWS, symbol)]
+    plates = [d for d in site["infer"]["_dim_to_symbol"].values() if d in scales and d in sizes]
+    device = factors[0].device
     if symbol not in sizes:  # a single particle: nothing to choose
-        index = torch.zeros([sizes[d] for d in [DRAWS] + plates], dtype=torch.long, device=factors[0].device)
+        index = torch.zeros([num_draws] + [sizes[d] for d in plates], dtype=torch.long, device=device)
         index._pyro_dims = DRAWS + "".join(plates)
         return index
-    source = torch.zeros([sizes[d] for d in dims], requires_grad=True, device=factors[0].device)
+    per_draw = any(symbol in t._pyro_dims and DRAWS in t._pyro_dims for t in factors)
+    dims = ([DRAWS] if per_draw else []) + [symbol] + plates
+    source = torch.zeros([sizes[d] for d in dims], requires_grad=True, device=device)
     source._pyro_dims = "".join(dims)
     with torch.enable_grad():
         log_p = contract_log_factors(list(factors) + [source], scales)
@@ -174,8 +196,8 @@ def _draw_particle(factors, scales, site, symbol: str, num_draws: int) -> torch.
     plate_scale = 1.0
     for d in plates:
         plate_scale *= scales[d]
-    probs = (marginal / plate_scale).clamp(min=0).movedim(1, -1)  # (draws, plates..., K)
-    index = Categorical(probs=probs).sample()
+    probs = (marginal / plate_scale).clamp(min=0).movedim(dims.index(symbol), -1)  # ([draws,] plates..., K)
+    index = Categorical(probs=probs).sample(() if per_draw else (num_draws,))
     index._pyro_dims = DRAWS + "".join(plates)
     return index
 
