@@ -19,7 +19,7 @@ scaling belongs.
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Sequence, Set, Tuple, Union
+from typing import Callable, Dict, Iterable, List, Sequence, Tuple, Union
 
 import torch
 from opt_einsum import shared_intermediates

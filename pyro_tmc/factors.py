@@ -24,7 +24,7 @@ from pyro.poutine import Trace
 
 from . import log_density
 from .contraction import ChunkedFactor
-from .proposals import ParticleDraw, proposal_log_prob
+from .proposals import proposal_log_prob
 
 VARIANCE_REDUCTIONS = (None, "stl", "dregs")
 

@@ -9,7 +9,7 @@ from pyro.poutine.enum_messenger import EnumMessenger
 from pyro.poutine.handlers import _make_handler
 from pyro.poutine.runtime import _ENUM_ALLOCATOR, Message
 
-from ..proposals import ParticleDraw, check_proposal, draw_particles
+from ..proposals import check_proposal, draw_particles
 
 #: PyTorch tensors hold at most this many dims; particle dims beyond it cannot exist.
 MAX_TENSOR_DIMS = 64
