@@ -34,3 +34,19 @@ def test_falls_back_where_not_faster():
     same = dist.Normal(torch.randn(20, 1, 16), 1.0).to_event(1)  # no parent dims to broadcast
     assert gaussian_pairwise_log_prob(same, torch.randn(20, 1, 16)) is None
     assert torch.allclose(log_prob(same, torch.zeros(20, 1, 16)), same.log_prob(torch.zeros(20, 1, 16)))
+
+
+def test_scalar_gaussian_equals_elementwise():
+    from pyro_tmc.log_density import scalar_gaussian_log_prob
+
+    torch.manual_seed(1)
+    value = torch.randn(7, 1, 5).requires_grad_()
+    loc = torch.randn(1, 6, 5).requires_grad_()
+    scale = (torch.rand(1, 6, 5) + 0.1).requires_grad_()
+    fn = dist.Normal(loc, scale)
+    fast = scalar_gaussian_log_prob(fn, value)
+    slow = fn.log_prob(value)
+    assert fast is not None and torch.allclose(fast, slow, rtol=1e-5, atol=1e-5)
+    for a, b in zip(torch.autograd.grad(fast.sum(), [value, loc, scale]), torch.autograd.grad(slow.sum(), [value, loc, scale])):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-4)
+    assert scalar_gaussian_log_prob(dist.Normal(loc, scale), torch.randn(3, 6, 5)) is None  # nothing to broadcast
