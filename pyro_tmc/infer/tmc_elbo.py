@@ -173,7 +173,7 @@ class TMC_ELBO(DifferentiableLossELBO):
         """log P_TMC of one draw (summed over vectorised repetitions)."""
         max_elements = None
         if self.max_factor_bytes is not None:
-            max_elements = self.max_factor_bytes // torch.empty((), dtype=torch.get_default_dtype()).element_size()
+            max_elements = self.max_factor_bytes // (torch.finfo(torch.get_default_dtype()).bits // 8)
         factors = compute_log_factors(
             model_trace, guide_trace, sources, detach_guide_proposals, max_elements
         )
