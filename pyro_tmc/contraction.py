@@ -157,12 +157,12 @@ def fuse_factors(factors: Sequence[torch.Tensor], plates: Iterable[str]) -> List
     return fused
 
 
-def _ordinals(factors: Sequence[torch.Tensor], plates: frozenset) -> Dict[str, frozenset]:
-    """Each sum dim's plates: those of every factor that holds it."""
+def _ordinals(factor_dims: Sequence[str], plates: frozenset) -> Dict[str, frozenset]:
+    """Each sum dim's plates: those of every factor (given by its packed dims) that holds it."""
     ordinal: Dict[str, frozenset] = {}
-    for term in factors:
-        own = plates.intersection(term._pyro_dims)
-        for dim in set(term._pyro_dims) - plates:
+    for dims in factor_dims:
+        own = plates.intersection(dims)
+        for dim in set(dims) - plates:
             ordinal[dim] = ordinal.get(dim, own) & own
     return ordinal
 
@@ -203,8 +203,7 @@ def eliminate_in_chunks(
     :returns: the factors with the eliminated ones replaced by the message.
     """
     plates = frozenset(plate_scales)
-    first = lazy.compute(*lazy.ranges()[0])  # for its dims
-    ordinal = _ordinals(factors + [first], plates)
+    ordinal = _ordinals([t._pyro_dims for t in factors] + [lazy.dims], plates)
     home = ordinal[lazy.symbol]
     group_dims = {lazy.symbol}
     group = [t for t in factors if lazy.symbol in t._pyro_dims]
@@ -214,9 +213,9 @@ def eliminate_in_chunks(
         if not deeper:
             break
         group_dims |= deeper
-        group += [t for t in factors if t not in group and deeper & set(t._pyro_dims)]
+        group += [t for t in factors if not any(t is g for g in group) and deeper & set(t._pyro_dims)]
     rest = [t for t in factors if not any(t is g for g in group)]
-    all_dims = (set(first._pyro_dims) | set("".join(t._pyro_dims for t in group))) - plates
+    all_dims = (set(lazy.dims) | set("".join(t._pyro_dims for t in group))) - plates
     kept = all_dims & set("".join(t._pyro_dims for t in rest)) - {lazy.symbol}
     out_dims = "".join(sorted(kept | home))
 

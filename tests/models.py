@@ -299,6 +299,17 @@ def chain_guide_prior(x, N):
     (the paper's non-factorised proposal)."""
 
 
+def _ancestors(proposal, R, K, generator=None):
+    """Each particle's upstream particle under ``proposal``: shape (R, K)."""
+    if proposal == "diagonal":
+        return torch.arange(K).expand(R, K)
+    if proposal == "permutation":
+        return torch.argsort(torch.rand(R, K, generator=generator), -1)
+    if proposal == "mixture":
+        return torch.randint(K, (R, K), generator=generator)
+    raise ValueError(proposal)
+
+
 def chain_tmc_reference(x, N, K, R, proposal="factorised", generator=None):
     """Hand-written TMC ``log P_TMC`` for the chain by a forward recursion in log space.
 
@@ -315,14 +326,7 @@ def chain_tmc_reference(x, N, K, R, proposal="factorised", generator=None):
             z = math.sqrt(i / N) * torch.randn(R, K, dtype=dt, generator=generator)
             logq = _normal_logpdf(z, 0.0, i / N)
         else:
-            if proposal == "diagonal":
-                anc = torch.arange(K).expand(R, K)
-            elif proposal == "permutation":
-                anc = torch.argsort(torch.rand(R, K, generator=generator), -1)
-            elif proposal == "mixture":
-                anc = torch.randint(K, (R, K), generator=generator)
-            else:
-                raise ValueError(proposal)
+            anc = _ancestors(proposal, R, K, generator)
             z = zprev.gather(-1, anc) + math.sqrt(var) * torch.randn(R, K, dtype=dt, generator=generator)
             pair = _normal_logpdf(z[:, :, None], zprev[:, None, :], var)  # [r, k_i, k_{i-1}]
             if proposal == "diagonal":
@@ -366,14 +370,7 @@ def nonfact_tmc_reference(K, R, proposal="mixture", generator=None, x=NONFACT_X)
     ancestor scheme of ``proposal``; z1^b is scored by the mixture over all z0
     particles ("mixture"/"permutation") or by q(z1 | z0^b) ("diagonal").  Shape (R,)."""
     z0 = 0.5 + torch.randn(R, K, dtype=torch.float64, generator=generator)
-    if proposal == "diagonal":
-        anc = torch.arange(K).expand(R, K)
-    elif proposal == "permutation":
-        anc = torch.argsort(torch.rand(R, K, generator=generator), -1)
-    elif proposal == "mixture":
-        anc = torch.randint(K, (R, K), generator=generator)
-    else:
-        raise ValueError(proposal)
+    anc = _ancestors(proposal, R, K, generator)
     z1 = 0.8 * z0.gather(-1, anc) + 0.6 + 0.9 * torch.randn(R, K, dtype=torch.float64, generator=generator)
     pair = _normal_logpdf(z1[:, :, None], 0.8 * z0[:, None, :] + 0.6, 0.81)  # [r, b, a]
     logq1 = pair.diagonal(dim1=-2, dim2=-1) if proposal == "diagonal" else _logmeanexp(pair, -1)
