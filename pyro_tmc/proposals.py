@@ -71,6 +71,9 @@ class ParticleDraw:
     thin: bool
     ancestors: Dict[int, torch.Tensor]
     target_dim: int
+    #: the distribution drawn from and its ancestor-indexed copy, reused while scoring that same distribution
+    source_fn: Optional[Distribution] = None
+    thin_fn: Optional[Distribution] = None
 
 
 def choose_ancestors(
@@ -213,7 +216,7 @@ def draw_particles(
         picks[-1 - len(batch_shape)] = torch.arange(num_particles, device=device)
         value = _select_particles(fat, 1 + len(batch_shape), picks, target_dim)
     draw = ParticleDraw(
-        num_particles, strategy, tuple(parent_dims), thin_fn is not None, ancestors, target_dim
+        num_particles, strategy, tuple(parent_dims), thin_fn is not None, ancestors, target_dim, fn, thin_fn
     )
     return value, draw
 
@@ -256,9 +259,9 @@ def proposal_log_prob(
     if not draw.parent_dims:
         return fn.log_prob(value)
     if draw.strategy == "diagonal":
-        # Index the parameters afresh (not a cached copy): ``fn`` may have been
-        # recomputed from other parent values, as the path-gradient estimators do.
-        thin_fn = _index_params(fn, draw.ancestors, draw.target_dim)
+        # Reuse the indexed copy made for drawing, unless ``fn`` was recomputed
+        # (from other parent values, as the path-gradient estimators do).
+        thin_fn = draw.thin_fn if fn is draw.source_fn else _index_params(fn, draw.ancestors, draw.target_dim)
         if thin_fn is not None:
             return thin_fn.log_prob(value)
         log_q = fn.log_prob(value)
