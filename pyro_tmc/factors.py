@@ -88,7 +88,7 @@ def _log_prob_numel(site) -> int:
     return math.prod(batch)
 
 
-def _chunked_log_prob(site, extra_scale, max_factor_elements: int) -> ChunkedFactor:
+def _chunked_log_prob(site, extra_scale, max_factor_elements: int, mask) -> ChunkedFactor:
     """The site's ``log p`` as slices along its own particle dim, each within the budget."""
     value, fn = site["value"], site["fn"]
     particle_dim = site["infer"]["_enumerate_dim"]
@@ -101,7 +101,7 @@ def _chunked_log_prob(site, extra_scale, max_factor_elements: int) -> ChunkedFac
 
     def compute(start: int, stop: int) -> torch.Tensor:
         part = value.narrow(batch_ndim + particle_dim, start, stop - start)
-        return pack(scale_and_mask(_log_prob(site, part), extra_scale, site["mask"]), dim_to_symbol)
+        return pack(scale_and_mask(_log_prob(site, part), extra_scale, mask), dim_to_symbol)
 
     batch = torch.broadcast_shapes(value.shape[:batch_ndim], fn.batch_shape)
     dims = "".join(dim_to_symbol[d - len(batch)] for d, size in enumerate(batch) if size > 1)
@@ -113,6 +113,58 @@ def proposal_site(name: str, model_trace: Trace, guide_trace: Trace):
     if name in guide_trace.nodes and guide_trace.nodes[name]["type"] == "sample":
         return guide_trace.nodes[name]
     return model_trace.nodes[name]
+
+
+def is_summed_exactly(site) -> bool:
+    """Whether a latent site was enumerated over its support (no proposal density)."""
+    return "_enumerate_dim" in site["infer"] and "_tmc_draw" not in site["infer"]
+
+
+def is_point_mass_site(site) -> bool:
+    """Whether a latent site has no particle dim of its own (a Delta, or no torch distribution)."""
+    return "_enumerate_dim" not in site["infer"]
+
+
+def guide_only_sites(model_trace: Trace, guide_trace: Trace) -> List[str]:
+    """
+    Guide sample sites the model lacks: auxiliary latents (AutoNormal's
+    ``<name>_unconstrained``, AutoContinuous's ``_Auto..._latent``) and the
+    guide's ``pyro.factor`` statements. Both belong to ``q`` and so to the weight.
+    """
+    return [
+        name
+        for name, site in guide_trace.nodes.items()
+        if site["type"] == "sample" and name not in model_trace.nodes
+    ]
+
+
+def latent_site(name: str, model_trace: Trace, guide_trace: Trace):
+    """The model's site ``name``, or the guide's if only the guide has it (an auxiliary latent)."""
+    if name in model_trace.nodes:
+        return model_trace.nodes[name]
+    return guide_trace.nodes[name]
+
+
+def _proposal_term(q_site, extra_scale, mask, detach: bool) -> torch.Tensor:
+    """
+    ``-log q`` of a latent's proposal, and ``-log K`` for a sampled one. A
+    Delta proposal contributes its ``log_density`` (AutoNormal's log|Jacobian|).
+    """
+    draw = q_site["infer"].get("_tmc_draw")
+    if draw is None:
+        log_q = _log_prob(q_site)
+    else:
+        log_q = proposal_log_prob(q_site["fn"], q_site["value"], draw)
+    if not q_site["is_observed"] and (not q_site["fn"].has_rsample or detach):
+        # DiCE: p/q with q stopped has the score-function gradient of an
+        # importance weight (the score of q cancels against -log q).
+        log_q = log_q.detach()
+    # A masked element contributes log p - log q = 0 for each particle, and the
+    # -log K keeps its sum over particles at 1.
+    term = scale_and_mask(-log_q, extra_scale, mask)
+    if draw is not None:
+        term = term - math.log(draw.num_particles)
+    return term
 
 
 def site_log_factors(
@@ -130,6 +182,11 @@ def site_log_factors(
     while ``log p`` also has its parents': the contraction adds the small
     terms together before touching the large one (:func:`~pyro_tmc.contraction.fuse_factors`).
 
+    An exactly summed latent keeps its own ``log p`` unmasked under
+    ``poutine.mask`` (it sums to one over the support, as ``TraceEnum_ELBO``
+    has it); the sites that depend on it carry the mask. A latent whose guide
+    site is a Delta has no particles: its factor is ``log p - log q_delta``.
+
     :param torch.Tensor source: an optional zero tensor added to the factor; the
         gradient of log P_TMC with respect to it is the posterior marginal of the
         site's particles (the autodiff identity of the alan library).
@@ -144,35 +201,52 @@ def site_log_factors(
     # Plate subsampling is applied at the plate product (contraction.py); any
     # other scale (poutine.scale) weights this site's log factor directly.
     extra_scale = site["scale"] / _site_plate_scale(site)
+    q_site = None if site["is_observed"] else proposal_site(name, model_trace, guide_trace)
+    if q_site is site and is_point_mass_site(site):
+        return []  # a model-only Delta proposes itself: p / q = 1
+    mask = None if q_site is not None and is_summed_exactly(q_site) else site["mask"]
     if (
         max_factor_elements is not None
         and not site["is_observed"]
+        and "_enumerate_dim" in site["infer"]
         and _log_prob_numel(site) > max_factor_elements
         and particle_shape(site)[site["infer"]["_enumerate_dim"]] > 2
     ):
-        factors = [_chunked_log_prob(site, extra_scale, max_factor_elements)]
+        factors = [_chunked_log_prob(site, extra_scale, max_factor_elements, mask)]
     else:
-        factors = [pack(scale_and_mask(_log_prob(site), extra_scale, site["mask"]), dim_to_symbol)]
-    draw = None
-    if not site["is_observed"]:
-        q_site = proposal_site(name, model_trace, guide_trace)
-        draw = q_site["infer"].get("_tmc_draw")
-    if draw is None and source is None:
-        return factors
+        factors = [pack(scale_and_mask(_log_prob(site), extra_scale, mask), dim_to_symbol)]
     proposal_term = 0.0
-    if draw is not None:
-        log_q = proposal_log_prob(q_site["fn"], q_site["value"], draw)
-        if not q_site["fn"].has_rsample or (detach_guide_proposal and q_site is not site):
-            # DiCE: p/q with q stopped has the score-function gradient of an
-            # importance weight (the score of q cancels against -log q).
-            log_q = log_q.detach()
-        # A masked element contributes log p - log q = 0 for each particle, and the
-        # -log K keeps its sum over particles at 1.
-        proposal_term = scale_and_mask(-log_q, extra_scale, site["mask"]) - math.log(draw.num_particles)
+    if q_site is not None and not is_summed_exactly(q_site):
+        detach = detach_guide_proposal and q_site is not site
+        proposal_term = _proposal_term(q_site, extra_scale, site["mask"], detach)
     if source is not None:
         proposal_term = proposal_term + source
-    factors.append(pack(proposal_term, dim_to_symbol))
+    if isinstance(proposal_term, torch.Tensor):
+        factors.append(pack(proposal_term, dim_to_symbol))
     return factors
+
+
+def guide_site_log_factors(
+    site, source: Optional[torch.Tensor] = None, detach_guide_proposal: bool = False
+) -> List[torch.Tensor]:
+    """
+    The packed log factor of a guide site the model lacks: ``-log q - log K``
+    for an auxiliary latent, ``-log q`` for an auxiliary Delta, and minus the
+    value of a guide ``pyro.factor`` (as ``Trace_ELBO`` counts it in ``log q``).
+
+    :raises NotImplementedError: for an auxiliary site summed exactly, whose
+        weight the model does not define.
+    """
+    if not site["is_observed"] and is_summed_exactly(site):
+        raise NotImplementedError(
+            f"Guide site '{site['name']}' is marked infer={{'enumerate': 'parallel'}} but the model "
+            "has no site of that name, so TMC cannot sum it exactly. Drop the flag to sample it."
+        )
+    extra_scale = site["scale"] / _site_plate_scale(site)
+    term = _proposal_term(site, extra_scale, site["mask"], detach_guide_proposal)
+    if source is not None:
+        term = term + source
+    return [pack(term, site["infer"]["_dim_to_symbol"])]
 
 
 def compute_log_factors(
@@ -183,7 +257,8 @@ def compute_log_factors(
     max_factor_elements: Optional[int] = None,
 ) -> List[LogFactor]:
     """
-    Packed log factors of every model sample site.
+    Packed log factors of every model sample site and of every guide site the
+    model lacks (:func:`guide_only_sites`).
 
     :param Trace model_trace: the model run under ``tmc`` against the guide's
         particles, with ``symbolize`` applied.
@@ -200,6 +275,10 @@ def compute_log_factors(
         for tensor in site_log_factors(
             name, model_trace, guide_trace, sources.get(name), detach_guide_proposals, max_factor_elements
         ):
+            factors.append(LogFactor(name, tensor))
+    for name in guide_only_sites(model_trace, guide_trace):
+        site = guide_trace.nodes[name]
+        for tensor in guide_site_log_factors(site, sources.get(name), detach_guide_proposals):
             factors.append(LogFactor(name, tensor))
     return factors
 

@@ -3,8 +3,16 @@
 import numbers
 from typing import Callable, Collection, Dict, Optional
 
+import warnings
+
 import torch
-from pyro.distributions.torch_distribution import TorchDistributionMixin
+from pyro.distributions import Delta
+from pyro.distributions.torch_distribution import (
+    ExpandedDistribution,
+    MaskedDistribution,
+    TorchDistributionMixin,
+)
+from torch.distributions import Independent
 from pyro.poutine.enum_messenger import EnumMessenger
 from pyro.poutine.handlers import _make_handler
 from pyro.poutine.runtime import _ENUM_ALLOCATOR, Message
@@ -49,6 +57,35 @@ def is_exactly_enumerated(msg: Message) -> bool:
     )
 
 
+def is_point_mass(fn) -> bool:
+    """
+    Whether ``fn`` is a :class:`~pyro.distributions.Delta` (possibly made
+    independent, masked or expanded): its K particles would all be equal, so it
+    gets no particle dim. Its value carries only the particle dims of the
+    values it was computed from (e.g. AutoNormal's auxiliary site).
+    """
+    while isinstance(fn, (Independent, MaskedDistribution, ExpandedDistribution)):
+        fn = fn.base_dist
+    return isinstance(fn, Delta)
+
+
+def check_no_dim_conflict(msg: Message, target_dim: int) -> None:
+    """
+    :raises ValueError: if the site's distribution already varies along the
+        particle dim it is about to be given: an upstream latent that a too short
+        ``pyro.markov(history=...)`` dropped from the scope holds that dim, and
+        the two would be silently merged.
+    """
+    batch_shape = msg["fn"].batch_shape
+    if len(batch_shape) >= -target_dim and batch_shape[target_dim] != 1:
+        raise ValueError(
+            f"Enumeration dim conflict at site '{msg['name']}': its distribution already varies "
+            f"along dim {target_dim}, the particle dim it is given, because it depends on a latent "
+            "that its pyro.markov context no longer keeps in scope. Increase the history of "
+            "pyro.markov(history=...) to cover every dependency."
+        )
+
+
 class TMCMessenger(EnumMessenger):
     """
     Gives every latent sample site a particle dimension, allocated left of the
@@ -68,7 +105,8 @@ class TMCMessenger(EnumMessenger):
     draws them by ``proposal`` (see :mod:`pyro_tmc.proposals`). A site marked
     ``infer={"enumerate": "parallel"}`` without ``num_samples`` whose
     distribution has enumerable support is enumerated over its support instead
-    (exact marginalisation).
+    (exact marginalisation). A :class:`~pyro.distributions.Delta` site gets no
+    particle dim: its value keeps only the dims of the values it was computed from.
 
     :param int num_samples: K for sites that do not set their own.
     :param str proposal: ``"mixture"``, ``"permutation"`` or ``"diagonal"``.
@@ -110,6 +148,8 @@ class TMCMessenger(EnumMessenger):
         # outside every markov context (e.g. an observation after a markov loop)
         # can depend on.
         self._occupants: Dict[int, int] = {}
+        #: the sample site being run, for error messages about user code
+        self.current_site: Optional[str] = None
         return super().__enter__()
 
     def _record_scope(self, msg: Message) -> Dict[int, int]:
@@ -129,6 +169,7 @@ class TMCMessenger(EnumMessenger):
     def _pyro_sample(self, msg: Message) -> None:
         if not isinstance(msg["fn"], TorchDistributionMixin):
             return
+        self.current_site = msg["name"]
         param_dims = self._record_scope(msg)
         if msg["done"] or msg["is_observed"] or msg["name"] in self.replayed_sites:
             return
@@ -137,14 +178,10 @@ class TMCMessenger(EnumMessenger):
                 f"Site '{msg['name']}' asks for sequential enumeration, which TMC does not do. "
                 "Use infer={'enumerate': 'parallel'} to sum it exactly, or drop the flag to sample it."
             )
-        scope = msg["infer"].get("_markov_scope")
-        target_dim, id_ = _ENUM_ALLOCATOR.allocate(None if scope is None else set(param_dims))
-        if -target_dim > MAX_TENSOR_DIMS:
-            raise ValueError(
-                f"Site '{msg['name']}' needs particle dim {target_dim}, but a tensor holds at most "
-                f"{MAX_TENSOR_DIMS} dims. Wrap sequential latents in pyro.markov (in the model "
-                "and the guide) so that particle dims are recycled."
-            )
+        if is_point_mass(msg["fn"]):
+            return  # drawn as usual: its one value, with its parents' particle dims
+        target_dim, id_ = self._allocate(msg, param_dims)
+        check_no_dim_conflict(msg, target_dim)
         if is_exactly_enumerated(msg):
             value = _enumerate_support(msg["fn"], target_dim)
         else:
@@ -162,6 +199,28 @@ class TMCMessenger(EnumMessenger):
         msg["infer"]["_dim_to_id"] = value_dims
         msg["value"] = value
         msg["done"] = True
+
+    def _allocate(self, msg: Message, param_dims: Dict[int, int]):
+        """
+        A particle dim and id for the site. A site inside a markov context may
+        reuse a dim out of its scope. A site outside every markov context gets a
+        dim that no value seen so far occupies: Pyro's allocator would hand it
+        the dim of a latent of an exited markov loop, merging the two.
+        """
+        scope = msg["infer"].get("_markov_scope")
+        if scope is not None:
+            target_dim, id_ = _ENUM_ALLOCATOR.allocate(set(param_dims))
+        else:
+            while _ENUM_ALLOCATOR.next_available_dim in param_dims:
+                _ENUM_ALLOCATOR.next_available_dim -= 1
+            target_dim, id_ = _ENUM_ALLOCATOR.allocate(None)
+        if -target_dim > MAX_TENSOR_DIMS:
+            raise ValueError(
+                f"Site '{msg['name']}' needs particle dim {target_dim}, but a tensor holds at most "
+                f"{MAX_TENSOR_DIMS} dims. Wrap sequential latents in pyro.markov (in the model "
+                "and the guide) so that particle dims are recycled."
+            )
+        return target_dim, id_
 
     def _pyro_post_sample(self, msg: Message) -> None:
         super()._pyro_post_sample(msg)
