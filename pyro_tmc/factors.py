@@ -21,6 +21,7 @@ import torch
 from pyro.distributions.util import scale_and_mask
 from pyro.ops.packed import pack
 from pyro.poutine import Trace
+from pyro.util import check_site_shape
 
 from . import log_density
 from .contraction import ChunkedFactor
@@ -83,9 +84,7 @@ def _log_prob(site, value=None) -> torch.Tensor:
 
 def _log_prob_numel(site) -> int:
     """How many elements the site's log density will have (its broadcast batch shape)."""
-    value = site["value"]
-    batch = torch.broadcast_shapes(value.shape[: value.dim() - site["fn"].event_dim], site["fn"].batch_shape)
-    return math.prod(batch)
+    return math.prod(_batch_shape(site))
 
 
 def _chunked_log_prob(site, extra_scale, max_factor_elements: int, mask) -> ChunkedFactor:
@@ -301,6 +300,62 @@ def particle_shape(site) -> torch.Size:
 def plate_scale_of(site) -> float:
     """The product of the subsampling scales of the site's plates."""
     return _site_plate_scale(site)
+
+
+def check_site_shapes(model_trace: Trace, guide_trace: Trace, max_plate_nesting) -> None:
+    """
+    Pyro's plate-shape and enumeration-dim checks (:func:`pyro.util.check_site_shape`)
+    on every sample site, as ``TraceEnum_ELBO`` runs them under validation.
+    """
+    for trace in (model_trace, guide_trace):
+        for site in trace.nodes.values():
+            if site["type"] != "sample":
+                continue
+            log_prob = torch.empty(_batch_shape(site), device="meta")
+            check_site_shape({**site, "log_prob": log_prob}, max_plate_nesting)
+
+
+def check_plate_dependencies(model_trace: Trace, guide_trace: Trace) -> None:
+    """
+    :raises ValueError: naming both sites, where a site depends on the
+        particles of a latent inside a plate that the site is not in. Its factor
+        would couple particle k of every plate element, which the contraction
+        (sums inside plates, products across them) cannot express; as in
+        ``TraceEnum_ELBO``, a variable outside a plate must never depend on one inside it.
+    """
+    owners = {}  # particle symbol -> (site name, its plate symbols)
+    traces = (guide_trace, model_trace)
+    for trace in traces:
+        for name, site in trace.nodes.items():
+            if site["type"] == "sample" and "_enumerate_dim" in site["infer"]:
+                symbol = site["infer"]["_dim_to_symbol"][site["infer"]["_enumerate_dim"]]
+                owners[symbol] = (name, _plate_symbols(site, trace))
+    for trace in traces:
+        for name, site in trace.nodes.items():
+            if site["type"] != "sample":
+                continue
+            plates = _plate_symbols(site, trace)
+            batch = _batch_shape(site)
+            for dim, symbol in site["infer"].get("_dim_to_symbol", {}).items():
+                if -dim > len(batch) or batch[dim] == 1:
+                    continue  # visible to the site, but its factor does not vary along it
+                owner = owners.get(symbol)
+                if owner is not None and not owner[1] <= plates:
+                    raise ValueError(
+                        f"Site '{name}' depends on latent '{owner[0]}', which is inside a plate that "
+                        f"'{name}' is not in. A variable outside a plate must never depend on one "
+                        "inside it (as in TraceEnum_ELBO): move the site into the plate, or the latent out of it."
+                    )
+
+
+def _batch_shape(site) -> torch.Size:
+    """The shape of the site's log density: its value's batch shape broadcast with its distribution's."""
+    value = site["value"]
+    return torch.broadcast_shapes(value.shape[: value.dim() - site["fn"].event_dim], site["fn"].batch_shape)
+
+
+def _plate_symbols(site, trace: Trace) -> frozenset:
+    return frozenset(trace.plate_to_symbol[f.name] for f in site["cond_indep_stack"] if f.vectorized)
 
 
 def check_finite(factors: List[LogFactor], estimate: torch.Tensor) -> None:

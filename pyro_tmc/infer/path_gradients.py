@@ -52,6 +52,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from pyro.poutine import Trace
 
+from ..poutine.tmc_messenger import is_point_mass
+
 
 def reparameterised_latents(guide_trace: Trace, estimator: str) -> List[str]:
     """
@@ -94,7 +96,9 @@ def with_leaf_values(
     """
     A copy of ``guide_trace`` whose latent values are detached leaves (that
     require grad, by default), to be replayed so that every density is
-    recomputed from them.
+    recomputed from them. Delta sites (no particle dim of their own) are left
+    out, so that the replay recomputes them from the leaves they depend on
+    (AutoNormal's constrained values from its auxiliary particles).
     """
     leaves = {
         name: guide_trace.nodes[name]["value"].detach().requires_grad_(requires_grad)
@@ -105,16 +109,28 @@ def with_leaf_values(
         node = dict(guide_trace.nodes[name])
         node["value"] = leaf
         leaf_trace.nodes[name] = node
+    for name, site in guide_trace.nodes.items():
+        if name not in leaves and _is_delta_latent(site):
+            leaf_trace.remove_node(name)
     return leaf_trace, leaves
 
 
-def marginal_sources(model_trace: Trace, names: List[str], particle_shape) -> Dict[str, torch.Tensor]:
-    """Zero tensors, one per site, whose gradient will be that site's posterior marginals."""
+def _is_delta_latent(site) -> bool:
+    """A Delta latent of the guide: its value is a function of other particles."""
+    return site["type"] == "sample" and not site["is_observed"] and is_point_mass(site["fn"])
+
+
+def marginal_sources(sites, particle_shape) -> Dict[str, torch.Tensor]:
+    """
+    Zero tensors, one per site, whose gradient will be that site's posterior marginals.
+
+    :param sites: the sites (trace nodes) to read, each with a particle dim.
+    :param particle_shape: site -> the shape of its particle dim and plates.
+    """
     sources = {}
-    for name in names:
-        site = model_trace.nodes[name]
+    for site in sites:
         dtype = site["value"].dtype if site["value"].is_floating_point() else torch.get_default_dtype()
-        sources[name] = torch.zeros(
+        sources[site["name"]] = torch.zeros(
             particle_shape(site), dtype=dtype, device=site["value"].device, requires_grad=True
         )
     return sources

@@ -77,6 +77,31 @@ def _particles_last(site, tensor: torch.Tensor, event_dim: int) -> torch.Tensor:
     return tensor.expand(plates + tensor.shape[len(plates):])
 
 
+class ParticleMarginal(Empirical):
+    """
+    :class:`~pyro.distributions.Empirical` over a site's particles whose
+    ``mean`` and ``variance`` are also defined for integer values (enumerated
+    Categorical sites): the weighted moments of the values as numbers, which for
+    a Bernoulli site are its probability and ``p (1 - p)``, as ``TraceEnum_ELBO``'s
+    marginals give. Samples keep the site's dtype, so they still index arrays.
+    """
+
+    def _float_samples(self) -> torch.Tensor:
+        if self._samples.is_floating_point():
+            return self._samples
+        return self._samples.to(self._log_weights.dtype)
+
+    @property
+    def mean(self) -> torch.Tensor:
+        return self._weighted_mean(self._float_samples())
+
+    @property
+    def variance(self) -> torch.Tensor:
+        samples = self._float_samples()
+        deviation = samples - self.mean.unsqueeze(self._aggregation_dim)
+        return self._weighted_mean(deviation.pow(2))
+
+
 def compute_marginals(model_trace: Trace, guide_trace: Trace) -> "OrderedDict[str, Empirical]":
     """
     :returns: for every latent site, its particles weighted by their posterior
@@ -84,7 +109,9 @@ def compute_marginals(model_trace: Trace, guide_trace: Trace) -> "OrderedDict[st
         the site's plates.
     """
     names = latent_sites(model_trace)
-    sources = marginal_sources(model_trace, names, particle_shape)
+    if not names:
+        return OrderedDict()
+    sources = marginal_sources([model_trace.nodes[n] for n in names], particle_shape)
     with torch.enable_grad():
         factors = compute_log_factors(model_trace, guide_trace, sources)
         log_p = contract_log_factors([f.tensor for f in factors], plate_scales(model_trace))
@@ -95,7 +122,7 @@ def compute_marginals(model_trace: Trace, guide_trace: Trace) -> "OrderedDict[st
         weights = torch.zeros_like(sources[name]) if grad is None else grad / plate_scale_of(site)
         samples = _particles_last(site, site["value"].detach(), site["fn"].event_dim)
         log_weights = _particles_last(site, weights.clamp(min=0).log(), 0)
-        marginals[name] = Empirical(samples, log_weights)
+        marginals[name] = ParticleMarginal(samples, log_weights)
     return marginals
 
 

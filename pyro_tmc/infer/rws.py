@@ -1,9 +1,8 @@
 """Reweighted wake-sleep on the TMC posterior (Bornschein & Bengio 2015; Le et al. 2019)."""
 
 import torch
-import pyro.poutine as poutine
 
-from ..factors import particle_shape
+from ..factors import latent_site, particle_shape
 from ..proposals import proposal_log_prob
 from .path_gradients import marginal_sources, with_leaf_values
 from .tmc_elbo import TMC_ELBO
@@ -55,11 +54,12 @@ class TMC_RWS(TMC_ELBO):
         drawn = self._run_guide(guide, args, kwargs)
         names = sampled_guide_sites(drawn)
         fixed, _ = with_leaf_values(drawn, names, requires_grad=False)
-        guide_trace = poutine.trace(poutine.replay(guide, trace=fixed)).get_trace(*args, **kwargs)
+        guide_trace = self._replay_guide(guide, fixed, args, kwargs)
         model_trace = self._run_model(model, guide_trace, args, kwargs)
         model_trace, guide_trace = self._finish(model_trace, guide_trace)
 
-        sources = marginal_sources(model_trace, names, particle_shape)
+        sites = [latent_site(name, model_trace, guide_trace) for name in names]
+        sources = marginal_sources(sites, particle_shape)
         wake_theta = self._log_estimate(model_trace, guide_trace, sources, detach_guide_proposals=True)
         # d log P / d source = the marginal weights, times the plate's subsampling scale,
         # which is the scale the guide's log-density terms need too.

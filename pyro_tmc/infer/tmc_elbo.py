@@ -8,14 +8,18 @@ import pyro.poutine as poutine
 from pyro.infer.util import is_validation_enabled
 from pyro.poutine import Trace
 from pyro.poutine.util import prune_subsample_sites
-from pyro.util import check_model_guide_match, warn_if_nan
+from pyro.util import check_model_guide_match, check_traceenum_requirements, warn_if_nan
 
 from ..contraction import contract_log_factors
 from .base import DifferentiableLossELBO
 from ..factors import (
     check_finite,
+    check_plate_dependencies,
+    check_site_shapes,
     check_variance_reduction,
     compute_log_factors,
+    is_summed_exactly,
+    latent_site,
     particle_shape,
     plate_scale_of,
     plate_scales,
@@ -32,6 +36,37 @@ from .path_gradients import (
     reparameterised_latents,
     with_leaf_values,
 )
+
+
+def run_with_shape_hint(messenger: TMCMessenger, role: str, run, args, kwargs) -> Trace:
+    """
+    ``run(*args, **kwargs)``; a shape error raised by user code on the particle
+    dims is re-raised, same type, with a hint naming the site and the dims.
+    """
+    try:
+        return run(*args, **kwargs)
+    except (RuntimeError, IndexError, ValueError) as error:
+        if isinstance(error, ValueError) and "shape" not in str(error).lower():
+            raise  # our own errors, and the user's that have nothing to do with shapes
+        try:
+            hinted = type(error)(str(error) + messenger.shape_error_hint(role))
+        except Exception:  # an exception type that takes other arguments
+            raise error
+        raise hinted from error
+
+
+def warn_about_summed_guide_sites(guide_trace: Trace) -> None:
+    """Warn, naming the site, where a guide site marked for enumeration is summed exactly."""
+    for name, site in guide_trace.nodes.items():
+        if site["type"] == "sample" and not site["is_observed"] and is_summed_exactly(site):
+            warnings.warn(
+                f"Guide site '{name}' is marked infer={{'enumerate': 'parallel'}}: TMC_ELBO sums it "
+                "exactly over its support, where the guide's probabilities cancel "
+                "(sum_z q(z) p(x, z) / q(z) = sum_z p(x, z)), so the estimate is exact in this site "
+                "and the guide's parameters for it get no gradient. Drop the flag, or set "
+                "infer={'num_samples': K}, to sample it from the guide instead.",
+                UserWarning,
+            )
 
 
 def latent_site_names(trace: Trace):
@@ -121,7 +156,11 @@ class TMC_ELBO(DifferentiableLossELBO):
         guide_tmc = TMCMessenger(
             self.num_samples, self.proposal, first_available_dim=-1 - self.max_plate_nesting
         )
-        return poutine.trace(guide_tmc(guide)).get_trace(*args, **kwargs)
+        guide_trace = run_with_shape_hint(
+            guide_tmc, "guide", poutine.trace(guide_tmc(guide)).get_trace, args, kwargs
+        )
+        warn_about_summed_guide_sites(guide_trace)
+        return guide_trace
 
     def _run_model(self, model, guide_trace, args, kwargs) -> Trace:
         """The model against the guide's particles (latents it alone has get their own)."""
@@ -133,16 +172,35 @@ class TMC_ELBO(DifferentiableLossELBO):
             replayed_sites=latent_site_names(guide_trace),
             continue_allocation=True,
         )
-        return poutine.trace(poutine.replay(model_tmc(model), trace=guide_trace)).get_trace(
+        run = poutine.trace(poutine.replay(model_tmc(model), trace=guide_trace)).get_trace
+        return run_with_shape_hint(model_tmc, "model", run, args, kwargs)
+
+    def _replay_guide(self, guide, leaf_trace: Trace, args, kwargs) -> Trace:
+        """
+        The guide replayed on ``leaf_trace``'s particles (:func:`with_leaf_values`),
+        continuing the dim allocation, so that the Delta sites it recomputes keep
+        their particle dims.
+        """
+        replay_tmc = TMCMessenger(
+            self.num_samples,
+            self.proposal,
+            replayed_sites=latent_site_names(leaf_trace),
+            continue_allocation=True,
+        )
+        return poutine.trace(poutine.replay(replay_tmc(guide), trace=leaf_trace)).get_trace(
             *args, **kwargs
         )
 
     def _finish(self, model_trace: Trace, guide_trace: Trace) -> Tuple[Trace, Trace]:
         if is_validation_enabled():
             check_model_guide_match(model_trace, guide_trace, self.max_plate_nesting)
+            check_traceenum_requirements(model_trace, guide_trace)
         guide_trace = prune_subsample_sites(guide_trace)
         model_trace = prune_subsample_sites(model_trace)
+        if is_validation_enabled():
+            check_site_shapes(model_trace, guide_trace, self.max_plate_nesting)
         symbolize(model_trace, guide_trace)
+        check_plate_dependencies(model_trace, guide_trace)
         return model_trace, guide_trace
 
     def _get_trace(self, model, guide, args, kwargs) -> Tuple[Trace, Trace]:
@@ -192,22 +250,26 @@ class TMC_ELBO(DifferentiableLossELBO):
         if self.variance_reduction == "dregs":
             check_factorised(live_trace, names)
         leaf_trace, leaves = with_leaf_values(live_trace, names)
-        guide_trace = poutine.trace(poutine.replay(guide, trace=leaf_trace)).get_trace(*args, **kwargs)
+        guide_trace = self._replay_guide(guide, leaf_trace, args, kwargs)
         model_trace = self._run_model(model, guide_trace, args, kwargs)
         model_trace, guide_trace = self._finish(model_trace, guide_trace)
 
         sources = {}
         if self.variance_reduction == "dregs":
-            sources = marginal_sources(model_trace, names, particle_shape)
+            sites = [latent_site(name, model_trace, guide_trace) for name in names]
+            sources = marginal_sources(sites, particle_shape)
         log_p = self._log_estimate(model_trace, guide_trace, sources)
         inputs = list(leaves.values()) + list(sources.values())
+        if not inputs:  # no reparameterised guide latent: the plain gradient is all there is
+            return log_p
         # retain: the plain bound below reuses the model's and guide's networks' graph
         grads = torch.autograd.grad(log_p, inputs, allow_unused=True, retain_graph=True)
         value_grads = dict(zip(leaves, grads[: len(leaves)]))
         weights = event_dims = None
         if sources:
             weights = {
-                name: _zero_if_none(grad, sources[name]) / plate_scale_of(model_trace.nodes[name])
+                name: _zero_if_none(grad, sources[name])
+                / plate_scale_of(latent_site(name, model_trace, guide_trace))
                 for name, grad in zip(sources, grads[len(leaves):])
             }
             event_dims = {name: live_trace.nodes[name]["fn"].event_dim for name in names}

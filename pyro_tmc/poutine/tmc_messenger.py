@@ -148,8 +148,9 @@ class TMCMessenger(EnumMessenger):
         # outside every markov context (e.g. an observation after a markov loop)
         # can depend on.
         self._occupants: Dict[int, int] = {}
-        #: the sample site being run, for error messages about user code
+        #: the last sample site run, and particle dim -> (site, K), for error messages about user code
         self.current_site: Optional[str] = None
+        self.particle_dims: Dict[int, tuple] = {}
         return super().__enter__()
 
     def _record_scope(self, msg: Message) -> Dict[int, int]:
@@ -226,6 +227,28 @@ class TMCMessenger(EnumMessenger):
         super()._pyro_post_sample(msg)
         if isinstance(msg["fn"], TorchDistributionMixin) and msg["value"] is not None:
             self._occupants.update(self._value_dims[msg["name"]])
+            dim = msg["infer"].get("_enumerate_dim")
+            if dim is not None:
+                size = msg["value"].shape[dim - msg["fn"].event_dim]
+                self.particle_dims[dim] = (msg["name"], size)
+
+    def shape_error_hint(self, role: str) -> str:
+        """
+        What to tell a user whose code broke on the particle dims: where it
+        broke, which particle dims were present, and where to read how to fix it.
+        """
+        where = f"after sample site '{self.current_site}'" if self.current_site else "before any sample site"
+        dims = ", ".join(
+            f"dim {dim}: '{name}' ({size} particles)" for dim, (name, size) in sorted(self.particle_dims.items())
+        )
+        return (
+            f"\n\nThis happened while running the {role} under TMC, {where}. TMC gives every latent "
+            "site a particle dim left of the plate dims, so values carry extra batch dims: "
+            f"particle dims present: {dims or 'none'}. Write the {role} so that it broadcasts over "
+            "them: index with pyro.ops.indexing.Vindex (Vindex(locs)[..., z]), multiply batched vectors "
+            "with (X * w.unsqueeze(-2)).sum(-1) rather than X @ w, and let plates and to_event carry "
+            "the shapes. See 'Writing models for TMC: broadcasting and Vindex' in the README."
+        )
 
     def _draw(self, msg: Message, param_dims: Dict[int, int], target_dim: int):
         fn = msg["fn"]

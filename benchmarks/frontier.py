@@ -1,0 +1,368 @@
+"""pyro_tmc against what a careful engineer writes by hand, side by side in one process.
+
+    python benchmarks/frontier.py --quick                # a smoke run (CPU, < 1 minute)
+    python benchmarks/frontier.py                        # CPU, 1 thread
+    python benchmarks/frontier.py --device cuda --out frontier_cuda.md
+
+Cases (each timed as one forward + backward step):
+
+1. the paper's toy model (``models.toy_model`` / ``models.toy_guide``), N=128 K=128 and
+   N=1024 K=32: ``pyro_tmc.TMC_ELBO``; the eager hand-written TMC
+   (``models.handwritten_tmc_loss``); the same function under ``torch.compile``
+   (compiled per case with cold caches; the compile time, i.e. the first call, has its
+   own column);
+2. the Gaussian random-walk chain of the paper's Fig. 4 written with ``pyro.markov``
+   (``z_i ~ N(z_{i-1}, 1/N)``, ``x ~ N(z_N, 1)``, a factorised guide with a learnable
+   loc / log-scale per step, as ``tests/models.py``), N=100 and N=1000, K=32:
+   ``pyro_tmc.TMC_ELBO``; a hand-written sequential TMC (a forward loop of K x K
+   log-matmul-exp messages); a hand-written log-depth contraction (a balanced tree of
+   batched log-matmul-exp over the stacked (N-1, K, K) factors);
+3. the toy model at N=128 K=8, where per-step overhead dominates.
+
+Timings are medians of ``--repeats`` interleaved rounds (every method once per round)
+after warm-up, with ``torch.cuda.synchronize`` around each step on CUDA. The last
+column is each method's time over the fastest hand-written method of its case, so the
+pyro_tmc row gives pyro_tmc's overhead over a careful engineer.
+"""
+
+import argparse
+import math
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from typing import Callable, Dict, List, Tuple
+
+import torch
+from torch.distributions import Normal
+
+import pyro
+import pyro.distributions as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import models  # noqa: E402
+
+from pyro_tmc import TMC_ELBO  # noqa: E402
+
+PYRO_TMC = "pyro_tmc TMC_ELBO"
+#: relative tolerance between the sequential and the tree contraction on the same particles
+TREE_RTOL = 1e-4
+#: the chain's observation, as tests/models.py's CHAIN_X
+CHAIN_X = 1.0
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _pyro_step(loss, model, guide, *args) -> Callable[[], torch.Tensor]:
+    """As in run.py: a fresh param store per step, so every step starts from the guide's init."""
+
+    def step():
+        pyro.get_param_store().clear()
+        value = loss.differentiable_loss(model, guide, *args)
+        value.backward()
+        return value
+
+    return step
+
+
+def _backward_step(loss_fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    def step():
+        value = loss_fn()
+        value.backward()
+        return value
+
+    return step
+
+
+def device_name(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+# -- the chain of the paper's Fig. 4 (as tests/models.py), with a learnable guide ---
+
+
+def chain_model(x, N):
+    z = x.new_zeros(())
+    scale = math.sqrt(1.0 / N)
+    for i in pyro.markov(range(1, N + 1)):
+        z = pyro.sample(f"z_{i}", dist.Normal(z, scale))
+    pyro.sample("x", dist.Normal(z, 1.0), obs=x)
+
+
+def chain_init(N, x):
+    """The guide's initial value: Q(z_i) = N(0, i/N), the prior marginal of z_i."""
+    loc = x.new_zeros(N)
+    log_scale = 0.5 * torch.log(torch.arange(1, N + 1, dtype=x.dtype, device=x.device) / N)
+    return loc, log_scale
+
+
+def chain_guide(x, N):
+    """Factorised: Q(z_i) = N(loc_i, exp(log_scale_i)^2), learnable per step."""
+    loc = pyro.param("chain_loc", lambda: chain_init(N, x)[0])
+    log_scale = pyro.param("chain_log_scale", lambda: chain_init(N, x)[1])
+    for i in pyro.markov(range(1, N + 1)):
+        pyro.sample(f"z_{i}", dist.Normal(loc[i - 1], log_scale[i - 1].exp()))
+
+
+def chain_log_factors(x, loc, log_scale, K) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """K particles per step from the guide and the TMC log-factors of the chain.
+
+    Returns ``f1`` (K,): log p(z_1) - log q(z_1) - log K; ``F`` (N-1, K, K) with
+    ``F[t, j, k] = log p(z_{t+2}^k | z_{t+1}^j) - log q(z_{t+2}^k) - log K``; and ``g`` (K,):
+    log p(x | z_N). ``-log P_TMC = -logsumexp(f1 @ F[0] @ ... @ F[N-2] @ g)`` in the
+    (logsumexp, +) semiring.
+    """
+    N = loc.shape[0]
+    scale = math.sqrt(1.0 / N)
+    q = Normal(loc, log_scale.exp())
+    z = q.rsample((K,))                                                 # (K, N)
+    log_q = (q.log_prob(z) + math.log(K)).T                             # (N, K), with the 1/K
+    z = z.T
+    f1 = Normal(0.0, scale).log_prob(z[0]) - log_q[0]
+    F = Normal(z[:-1, :, None], scale).log_prob(z[1:, None, :]) - log_q[1:, None, :]
+    g = Normal(z[-1], 1.0).log_prob(x)
+    return f1, F, g
+
+
+def sequential_contract(f1, F, g) -> torch.Tensor:
+    """-log P_TMC by a forward loop of messages, one K x K log-matmul-exp per step."""
+    alpha = f1
+    for t in range(F.shape[0]):
+        alpha = torch.logsumexp(alpha[:, None] + F[t], 0)
+    return -torch.logsumexp(alpha + g, 0)
+
+
+def log_matmul_exp(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``log(exp(a) @ exp(b))`` for batches of matrices, by a matmul.
+
+    Rows of ``a`` and columns of ``b`` are shifted by their (detached) maxima before the
+    exp; an all -inf row / column gets shift 0 and yields -inf, not NaN; a sum that is 0
+    gives -inf with a zero (not NaN) gradient.
+    """
+    shift_a = a.detach().amax(-1, keepdim=True)
+    shift_b = b.detach().amax(-2, keepdim=True)
+    shift_a = torch.where(torch.isfinite(shift_a), shift_a, torch.zeros_like(shift_a))
+    shift_b = torch.where(torch.isfinite(shift_b), shift_b, torch.zeros_like(shift_b))
+    s = torch.matmul((a - shift_a).exp(), (b - shift_b).exp())
+    positive = s > 0
+    log_s = torch.where(positive, torch.where(positive, s, torch.ones_like(s)).log(), torch.full_like(s, -math.inf))
+    return log_s + shift_a + shift_b
+
+
+def tree_contract(f1, F, g) -> torch.Tensor:
+    """-log P_TMC by a balanced tree of batched log-matmul-exp: log2(N) levels."""
+    while F.shape[0] > 1:
+        n = F.shape[0]
+        paired = log_matmul_exp(F[0 : n - 1 : 2], F[1:n:2])  # (n // 2, K, K), order kept
+        F = torch.cat([paired, F[n - 1 :]], 0) if n % 2 else paired
+    if F.shape[0] == 0:  # N = 1
+        return -torch.logsumexp(f1 + g, 0)
+    return -torch.logsumexp((f1[:, None] + F[0] + g[None, :]).reshape(-1), 0)
+
+
+# -- cases ---------------------------------------------------------------------------
+
+
+class Case:
+    def __init__(self, title: str):
+        self.title = title
+        self.steps: Dict[str, Callable[[], torch.Tensor]] = {}
+        self.careful: List[str] = []  # the hand-written methods
+        self.compile_seconds: Dict[str, str] = {}
+        self.failed: Dict[str, str] = {}
+        self.notes: List[str] = []
+
+
+def toy_case(num_data: int, num_samples: int, device: str, compiled: bool) -> Case:
+    case = Case(f"toy N={num_data} K={num_samples}")
+    x = torch.randn(num_data, device=device)
+    loc = torch.zeros(2, device=device, requires_grad=True)
+    log_scale = torch.tensor([0.0, 0.5 * math.log(2.0)], device=device, requires_grad=True)
+    case.steps[PYRO_TMC] = _pyro_step(TMC_ELBO(num_samples=num_samples, max_plate_nesting=1), models.toy_model, models.toy_guide, x)
+    case.steps["hand-written TMC (eager)"] = _backward_step(lambda: models.handwritten_tmc_loss(x, loc, log_scale, num_samples))
+    case.careful.append("hand-written TMC (eager)")
+    if compiled:
+        name = "hand-written TMC (torch.compile)"
+        case.careful.append(name)
+        try:
+            torch._dynamo.reset()  # a fresh compile per case, specialised to its shapes
+            fn = torch.compile(models.handwritten_tmc_loss, dynamic=False)
+            step = _backward_step(lambda: fn(x, loc, log_scale, num_samples))
+            _sync(device)
+            start = time.perf_counter()
+            step()  # compiles forward and backward
+            _sync(device)
+            case.compile_seconds[name] = f"{time.perf_counter() - start:.1f}"
+            case.steps[name] = step
+        except Exception as e:  # report and go on
+            reason = " ".join(str(e).split()).replace("|", "/")[:160] or type(e).__name__
+            case.failed[name] = f"compile failed: {type(e).__name__}: {reason}"
+    values = {name: statistics.fmean(step().item() for _ in range(3)) for name, step in case.steps.items()}
+    case.notes.append(f"{case.title}: -log P_TMC (mean of 3 draws each): "
+                      + ", ".join(f"{name} {v:.3f}" for name, v in values.items()))
+    return case
+
+
+def chain_case(num_steps: int, num_samples: int, device: str) -> Case:
+    N, K = num_steps, num_samples
+    case = Case(f"chain N={N} K={K}")
+    x = torch.tensor(CHAIN_X, device=device)
+    loc, log_scale = (t.clone().requires_grad_() for t in chain_init(N, x))
+
+    def sequential():
+        return sequential_contract(*chain_log_factors(x, loc, log_scale, K))
+
+    def tree():
+        return tree_contract(*chain_log_factors(x, loc, log_scale, K))
+
+    case.steps[PYRO_TMC] = _pyro_step(TMC_ELBO(num_samples=K, max_plate_nesting=0), chain_model, chain_guide, x, N)
+    case.steps["hand-written sequential"] = _backward_step(sequential)
+    case.steps["hand-written log-depth tree"] = _backward_step(tree)
+    case.careful += ["hand-written sequential", "hand-written log-depth tree"]
+
+    # the two hand-written contractions on the same particles: same value and gradient
+    f1, F, g = chain_log_factors(x, loc, log_scale, K)
+    seq = sequential_contract(f1, F, g)
+    seq_grads = torch.autograd.grad(seq, (loc, log_scale), retain_graph=True)
+    tr = tree_contract(f1, F, g)
+    tr_grads = torch.autograd.grad(tr, (loc, log_scale))
+    diff = abs(seq.item() - tr.item())
+    grad_diff = max((a - b).abs().max().item() for a, b in zip(seq_grads, tr_grads))
+    grad_scale = max(a.abs().max().item() for a in seq_grads)
+    case.notes.append(f"{case.title}: sequential {seq.item():.6f} vs tree {tr.item():.6f} on the same particles: "
+                      f"|diff| {diff:.3g} (rel {diff / max(abs(seq.item()), 1e-30):.3g}); "
+                      f"max |grad diff| {grad_diff:.3g} (max |grad| {grad_scale:.3g})")
+    assert math.isfinite(seq.item()) and diff <= TREE_RTOL * max(abs(seq.item()), 1.0), case.notes[-1]
+    pyro_values = [case.steps[PYRO_TMC]().item() for _ in range(3)]
+    hand_values = [sequential().item() for _ in range(3)]
+    case.notes.append(f"{case.title}: -log P_TMC on own draws (3 each): {PYRO_TMC} "
+                      + " ".join(f"{v:.2f}" for v in pyro_values)
+                      + "; hand-written " + " ".join(f"{v:.2f}" for v in hand_values))
+    return case
+
+
+# -- timing and the table --------------------------------------------------------------
+
+
+def median_seconds(steps: Dict[str, Callable[[], torch.Tensor]], repeats: int, device: str, warmup: int = 2) -> Dict[str, float]:
+    """Interleaved timing: each round runs every method once, after ``warmup`` rounds."""
+    times: Dict[str, List[float]] = {name: [] for name in steps}
+    for _ in range(warmup):
+        for step in steps.values():
+            step()
+    for _ in range(repeats):
+        for name, step in steps.items():
+            _sync(device)
+            start = time.perf_counter()
+            step()
+            _sync(device)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def run_case(case: Case, repeats: int, device: str) -> List[str]:
+    seconds = median_seconds(case.steps, repeats, device)
+    best = min((seconds[name] for name in case.careful if name in seconds), default=float("nan"))
+    rows = []
+    for name in list(case.steps) + list(case.failed):
+        if name in case.failed:
+            rows.append(f"| {case.title} | {name} | {case.failed[name]} | - | - |")
+            continue
+        ratio = seconds[name] / best
+        rows.append(f"| {case.title} | {name} | {1e3 * seconds[name]:.2f} | {case.compile_seconds.get(name, '-')} | {ratio:.2f} |")
+    print("\n".join(rows), flush=True)
+    return rows
+
+
+def warm_compiler(device: str) -> float:
+    """Import and start torch.compile's machinery once, on a throwaway function."""
+    start = time.perf_counter()
+    try:
+        t = torch.ones(3, device=device, requires_grad=True)
+        torch.compile(lambda a: (a * 2).sum())(t).backward()
+        _sync(device)
+    except Exception:
+        pass  # the cases report the failure
+    torch._dynamo.reset()
+    return time.perf_counter() - start
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--repeats", type=int, default=None, help="timed rounds (default 10 on cuda, 5 on cpu)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default 1 on cpu, torch's own on cuda)")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: tiny sizes, 2 repeats")
+    parser.add_argument("--skip-long", action="store_true", help="leave out the N=1000 chain")
+    parser.add_argument("--no-compile", action="store_true", help="leave out torch.compile")
+    parser.add_argument("--out", default=None, help="also write the table (markdown) to this path")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available")
+    threads = args.threads if args.threads is not None else (1 if args.device == "cpu" else None)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    repeats = 2 if args.quick else (args.repeats or (10 if args.device == "cuda" else 5))
+    # cold compile caches, so the compile column is a real compile on every run
+    cache_dir = tempfile.mkdtemp(prefix="frontier_inductor_")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    os.environ["TRITON_CACHE_DIR"] = os.path.join(cache_dir, "triton")
+    pyro.enable_validation(False)  # as in production training loops
+    torch.manual_seed(0)
+
+    if args.quick:
+        toy_sizes, chain_sizes, overhead = ((16, 8), (64, 4)), (10, 20), (16, 4)
+        chain_k = 8
+    else:
+        toy_sizes, chain_sizes, overhead = ((128, 128), (1024, 32)), (100, 1000), (128, 8)
+        chain_k = 32
+    if args.skip_long:
+        chain_sizes = chain_sizes[:1]
+
+    header = [
+        f"device: {device_name(args.device)} ({args.device}); torch threads: {torch.get_num_threads()}; "
+        f"torch {torch.__version__}; pyro {pyro.__version__}; repeats: {repeats} (medians, interleaved, after 2 warm-up rounds)",
+    ]
+    compile_startup = None if args.no_compile else warm_compiler(args.device)
+    if compile_startup is not None:
+        header.append(f"torch.compile one-time start-up (not in the compile column): {compile_startup:.1f} s")
+    table = ["| case | method | median ms (fwd+bwd) | compile s | x best hand-written |", "|---|---|---:|---:|---:|"]
+    print("\n".join(header + [""] + table), flush=True)
+
+    notes: List[str] = []
+    cases = [lambda n=n, k=k: toy_case(n, k, args.device, compiled=not args.no_compile) for n, k in toy_sizes]
+    cases += [lambda n=n: chain_case(n, chain_k, args.device) for n in chain_sizes]
+    cases += [lambda: toy_case(overhead[0], overhead[1], args.device, compiled=False)]
+    try:
+        for make in cases:
+            case = make()
+            table += run_case(case, repeats, args.device)
+            notes += case.notes
+    finally:
+        shutil.rmtree(cache_dir, ignore_errors=True)
+
+    text = "\n".join(header + [""] + table + [""] + [f"- {note}" for note in notes]) + "\n"
+    print("\n" + "\n".join(f"- {note}" for note in notes), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

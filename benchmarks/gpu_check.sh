@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The device check run on a lent GPU (see DEVELOPERS notes in BENCHMARKS.md):
+# CUDA tests, the side-by-side grid and the frontier cases, each under its own time limit.
+# Expects the pyro-ppl and pyro-api wheels in .whl/ (the GPU image has no Pyro).
+set -o pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-results/gpu}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, pyro; print('torch', torch.__version__, 'pyro', pyro.__version__)" | tee -a "$OUT/gpu.txt"
+timeout 100 python3 -m pytest -q -p no:cacheprovider -k cuda tests/test_tmc_elbo.py tests/test_tmc_ground_truth.py 2>&1 | tee "$OUT/cuda_tests.txt"
+timeout 220 python3 benchmarks/run.py --device cuda --repeats 5 2>&1 | tee "$OUT/bench_cuda.txt"
+timeout 200 python3 benchmarks/frontier.py --device cuda --out "$OUT/frontier_cuda.md" 2>&1 | tee "$OUT/frontier_log.txt"
