@@ -258,6 +258,8 @@ def contract_log_factors(
             pending.remove(other)
             tensors.append(other.materialise())
         tensors = eliminate_in_chunks(chunked, tensors, plate_scales)
+    if not tensors:  # no factors at all (an empty model and guide): log 1
+        return torch.zeros(())
     tensors = fuse_factors(tensors, plates)
     sum_dims = set("".join(t._pyro_dims for t in tensors)) - plates
     return _contract(tensors, plate_scales, sum_dims)

@@ -344,7 +344,8 @@ def check_plate_dependencies(model_trace: Trace, guide_trace: Trace) -> None:
                     raise ValueError(
                         f"Site '{name}' depends on latent '{owner[0]}', which is inside a plate that "
                         f"'{name}' is not in. A variable outside a plate must never depend on one "
-                        "inside it (as in TraceEnum_ELBO): move the site into the plate, or the latent out of it."
+                        "inside it (as in TraceEnum_ELBO): move the site into the plate, or the latent out of it "
+                        "(e.g. sample a plate of globals as one vector with .to_event(1))."
                     )
 
 

@@ -60,8 +60,9 @@ class ParticleDraw:
     :param bool thin: whether the particles were drawn from the distribution
         indexed by their ancestors (K draws), rather than by the fallback that
         draws one particle per parent combination and keeps K.
-    :param dict ancestors: parent dim -> LongTensor of shape ``(K,)``, the
-        ancestor of each particle.
+    :param dict ancestors: parent dim -> LongTensor of shape ``(K,) + plate
+        shape`` (right-aligned at the particle dim), the ancestor of each particle
+        in each plate element.
     :param int target_dim: the particle dim of this site.
     """
 
@@ -82,11 +83,16 @@ def choose_ancestors(
     parent_sizes: Dict[int, int],
     num_particles: int,
     device: torch.device,
+    element_shape: Tuple[int, ...] = (),
 ) -> Dict[int, torch.Tensor]:
     """
     For each parent dim, the ancestor (an index into that parent's particles) of
-    each of this site's ``num_particles`` particles.
+    each of this site's ``num_particles`` particles, chosen anew for every plate
+    element: a particle shared by all elements of a plate that its parent is
+    outside would couple them, and the product over the plate would be biased.
 
+    :param tuple element_shape: the site's plate shape, right-aligned at the
+        particle dim: each returned tensor has shape ``(K,) + element_shape``.
     :raises ValueError: if ``"permutation"`` or ``"diagonal"`` meets a parent with
         another number of particles.
     """
@@ -99,15 +105,21 @@ def choose_ancestors(
                 f"same number, but its parents have {sorted(mismatched.values())}. "
                 "Use proposal='mixture', or give the site and its parents equal num_samples."
             )
+    shape = (num_particles,) + tuple(element_shape)
     ancestors = {}
     for dim, size in parent_sizes.items():
         if strategy == "mixture":
-            ancestors[dim] = torch.randint(size, (num_particles,), device=device)
-        elif strategy == "permutation":
-            ancestors[dim] = torch.randperm(size, device=device)
+            ancestors[dim] = torch.randint(size, shape, device=device)
+        elif strategy == "permutation":  # an independent permutation per plate element
+            ancestors[dim] = torch.rand(shape, device=device).argsort(0)
         else:
-            ancestors[dim] = torch.arange(size, device=device)
+            ancestors[dim] = torch.arange(size, device=device).reshape((size,) + (1,) * len(element_shape))
     return ancestors
+
+
+def _particle_index(num: int, target_dim: int, device) -> torch.Tensor:
+    """``arange(num)`` laid out along ``target_dim``."""
+    return torch.arange(num, device=device).reshape((num,) + (1,) * (-target_dim - 1))
 
 
 def _select_particles(
@@ -119,17 +131,16 @@ def _select_particles(
     """
     Vectorised gather over the batch dims of ``x`` (its leftmost ``batch_ndim``
     dims; the rest are event dims): each dim in ``picks`` is replaced by the
-    entries ``picks[dim][k]``, with ``k`` moved to ``target_dim``; other batch dims
-    are kept in place.
+    entries ``picks[dim]``, laid out with ``k`` along ``target_dim`` (and plate
+    elements at their dims); other batch dims are kept in place.
     """
-    num = next(iter(picks.values())).numel()
-    k_shape = (num,) + (1,) * (-target_dim - 1)
     index = []
     for i in range(batch_ndim):
         dim = i - batch_ndim
         size = x.shape[i]
         if dim in picks and size > 1:
-            index.append(picks[dim].reshape(k_shape))
+            pick = picks[dim]
+            index.append(pick.reshape(pick.shape + (1,) * (-target_dim - pick.dim())))
         elif size > 1:
             index.append(torch.arange(size, device=x.device).reshape((size,) + (1,) * (-dim - 1)))
         else:
@@ -149,7 +160,7 @@ def _index_params(
     if isinstance(fn, Independent):
         shift = fn.reinterpreted_batch_ndims
         base = _index_params(
-            fn.base_dist, {d - shift: p for d, p in picks.items()}, target_dim - shift
+            fn.base_dist, {d - shift: p.reshape(p.shape + (1,) * shift) for d, p in picks.items()}, target_dim - shift
         )
         return None if base is None else type(fn)(base, shift)  # keeps Pyro's Independent (callable)
     if type(fn).__name__ in ("MaskedDistribution", "ExpandedDistribution", "TransformedDistribution"):
@@ -205,7 +216,11 @@ def draw_particles(
 
     parent_sizes = {d: batch_shape[d] for d in parent_dims}
     device = _device_of(fn)
-    ancestors = choose_ancestors(site_name, strategy, parent_sizes, num_particles, device)
+    element_shape = tuple(
+        batch_shape[d] if -d <= len(batch_shape) and d not in parent_dims else 1
+        for d in range(target_dim + 1, 0)
+    )
+    ancestors = choose_ancestors(site_name, strategy, parent_sizes, num_particles, device, element_shape)
     thin_fn = _index_params(fn, ancestors, target_dim)
     if thin_fn is not None:
         value = thin_fn()
@@ -213,7 +228,7 @@ def draw_particles(
         # Fallback: draw one particle per parent combination and keep K of them.
         fat = fn(sample_shape=torch.Size([num_particles]))
         picks = dict(ancestors)
-        picks[-1 - len(batch_shape)] = torch.arange(num_particles, device=device)
+        picks[-1 - len(batch_shape)] = _particle_index(num_particles, target_dim, device)
         value = _select_particles(fat, 1 + len(batch_shape), picks, target_dim)
     draw = ParticleDraw(
         num_particles, strategy, tuple(parent_dims), thin_fn is not None, ancestors, target_dim, fn, thin_fn
@@ -266,7 +281,7 @@ def proposal_log_prob(
             return thin_fn.log_prob(value)
         log_q = fn.log_prob(value)
         picks = {d: draw.ancestors[d] for d in draw.parent_dims}
-        picks[draw.target_dim] = torch.arange(draw.num_particles, device=value.device)
+        picks[draw.target_dim] = _particle_index(draw.num_particles, draw.target_dim, value.device)
         return _select_particles(log_q, log_q.dim(), _aligned(picks, log_q.dim()), draw.target_dim)
     # mixture / permutation: average the density over every upstream particle.
     log_q = log_density.log_prob(fn, value)

@@ -28,7 +28,7 @@ from pyro.distributions import Categorical, Empirical
 from pyro.poutine import Trace
 
 from ..contraction import contract_log_factors
-from ..factors import compute_log_factors, particle_shape, plate_scale_of, plate_scales
+from ..factors import compute_log_factors, guide_only_sites, particle_shape, plate_scale_of, plate_scales
 from .path_gradients import marginal_sources
 
 #: the packed symbol of the draws' batch dim (outside opt_einsum's generated range)
@@ -42,6 +42,41 @@ def latent_sites(model_trace: Trace) -> List[str]:
         for name, site in model_trace.nodes.items()
         if site["type"] == "sample" and not site["is_observed"] and "_enumerate_dim" in site["infer"]
     ]
+
+
+def particle_sites(model_trace: Trace, guide_trace: Trace) -> List[dict]:
+    """
+    Every site with a particle dim of its own: the model's latents, then the
+    guide's auxiliary latents (AutoNormal's ``<name>_unconstrained``), whose
+    particles the model's Delta sites carry.
+    """
+    sites = [model_trace.nodes[name] for name in latent_sites(model_trace)]
+    for name in guide_only_sites(model_trace, guide_trace):
+        site = guide_trace.nodes[name]
+        if not site["is_observed"] and "_enumerate_dim" in site["infer"]:
+            sites.append(site)
+    return sites
+
+
+def point_mass_sites(model_trace: Trace) -> List[str]:
+    """Model latents with no particle dim of their own (Delta guide sites: AutoDelta, AutoNormal)."""
+    return [
+        name
+        for name, site in model_trace.nodes.items()
+        if site["type"] == "sample" and not site["is_observed"] and "_enumerate_dim" not in site["infer"]
+    ]
+
+
+def _carried_particle_dims(site, plate_to_symbol: Dict[str, str]) -> Dict[str, int]:
+    """Packed symbol -> dim of each particle dim along which the site's value varies."""
+    value = site["value"]
+    batch = value.shape[: value.dim() - site["fn"].event_dim]
+    plates = set(plate_to_symbol.values())
+    return {
+        symbol: dim
+        for dim, symbol in site["infer"]["_dim_to_symbol"].items()
+        if symbol not in plates and -dim <= len(batch) and batch[dim] > 1
+    }
 
 
 def _plate_shape(site) -> Tuple[int, ...]:
@@ -62,9 +97,13 @@ def _plate_symbols(site, plate_to_symbol: Dict[str, str]) -> List[str]:
     return symbols
 
 
-def _particles_last(site, tensor: torch.Tensor, event_dim: int) -> torch.Tensor:
-    """A tensor over the site's particles and plates, reshaped to plates + (K,) + event."""
-    particle_dim = site["infer"]["_enumerate_dim"]
+def _particles_last(site, tensor: torch.Tensor, event_dim: int, particle_dim: int = None) -> torch.Tensor:
+    """
+    A tensor over the site's particles and plates, reshaped to plates + (K,) + event.
+    The particles lie along ``particle_dim``, by default the site's own.
+    """
+    if particle_dim is None:
+        particle_dim = site["infer"]["_enumerate_dim"]
     batch_ndim = tensor.dim() - event_dim
     if batch_ndim < -particle_dim:
         tensor = tensor.reshape((1,) * (-particle_dim - batch_ndim) + tensor.shape)
@@ -106,24 +145,53 @@ def compute_marginals(model_trace: Trace, guide_trace: Trace) -> "OrderedDict[st
     """
     :returns: for every latent site, its particles weighted by their posterior
         marginal weight, as an :class:`~pyro.distributions.Empirical` batched over
-        the site's plates.
+        the site's plates. A Delta site (AutoDelta, AutoNormal) gives the values
+        it takes at the particles of the one site it was computed from (its
+        auxiliary site), with that site's weights; one that varies with several
+        sites' particles is left out.
     """
-    names = latent_sites(model_trace)
-    if not names:
-        return OrderedDict()
-    sources = marginal_sources([model_trace.nodes[n] for n in names], particle_shape)
-    with torch.enable_grad():
-        factors = compute_log_factors(model_trace, guide_trace, sources)
-        log_p = contract_log_factors([f.tensor for f in factors], plate_scales(model_trace))
-        grads = torch.autograd.grad(log_p, list(sources.values()), allow_unused=True)
+    sites = particle_sites(model_trace, guide_trace)
+    sources = marginal_sources(sites, particle_shape)
+    grads = []
+    if sources:
+        with torch.enable_grad():
+            factors = compute_log_factors(model_trace, guide_trace, sources)
+            log_p = contract_log_factors([f.tensor for f in factors], plate_scales(model_trace))
+            grads = torch.autograd.grad(log_p, list(sources.values()), allow_unused=True)
+    log_weights_of = {}  # particle symbol -> (owner site, plates + (K,) log weights)
     marginals = OrderedDict()
-    for name, grad in zip(names, grads):
-        site = model_trace.nodes[name]
+    for site, grad in zip(sites, grads):
+        name = site["name"]
         weights = torch.zeros_like(sources[name]) if grad is None else grad / plate_scale_of(site)
-        samples = _particles_last(site, site["value"].detach(), site["fn"].event_dim)
         log_weights = _particles_last(site, weights.clamp(min=0).log(), 0)
-        marginals[name] = ParticleMarginal(samples, log_weights)
-    return marginals
+        symbol = site["infer"]["_dim_to_symbol"][site["infer"]["_enumerate_dim"]]
+        log_weights_of[symbol] = log_weights
+        if name in model_trace.nodes:
+            samples = _particles_last(site, site["value"].detach(), site["fn"].event_dim)
+            marginals[name] = ParticleMarginal(samples, log_weights)
+    for name in point_mass_sites(model_trace):
+        marginal = _point_mass_marginal(model_trace.nodes[name], log_weights_of, model_trace.plate_to_symbol)
+        if marginal is not None:
+            marginals[name] = marginal
+    return OrderedDict((name, marginals[name]) for name in model_trace.nodes if name in marginals)
+
+
+def _point_mass_marginal(site, log_weights_of, plate_to_symbol):
+    """A Delta site's values at its source's particles, with the source's weights (see compute_marginals)."""
+    carried = _carried_particle_dims(site, plate_to_symbol)
+    plates = _plate_shape(site)
+    event_dim = site["fn"].event_dim
+    if len(carried) > 1:
+        return None
+    if not carried:  # one value (AutoDelta): a point mass
+        samples = _particles_last(site, site["value"].detach(), event_dim, -1 - len(plates))
+        return ParticleMarginal(samples, samples.new_zeros(samples.shape[: len(plates) + 1]))
+    ((symbol, dim),) = carried.items()
+    samples = _particles_last(site, site["value"].detach(), event_dim, dim)
+    log_weights = log_weights_of[symbol]
+    # The source's plates are among the site's (plate dependencies are checked): broadcast.
+    log_weights = log_weights.reshape((1,) * (len(plates) + 1 - log_weights.dim()) + log_weights.shape)
+    return ParticleMarginal(samples, log_weights.expand(samples.shape[: len(plates) + 1]))
 
 
 # -- joint draws -------------------------------------------------------------
@@ -156,22 +224,59 @@ def sample_posterior(model_trace: Trace, guide_trace: Trace, num_draws: int) -> 
     """
     Exact joint draws of particle combinations from the posterior of one TMC draw.
 
-    :returns: site name -> its values in each draw, shape ``(num_draws,) +``
-        the site's plate and event shape.
+    :returns: model site name -> its values in each draw, shape ``(num_draws,) +``
+        the site's plate and event shape. A Delta site's values are those at the
+        drawn particles of the sites it was computed from.
     """
-    names = latent_sites(model_trace)
     scales = dict(plate_scales(model_trace))
     scales[DRAWS] = 1.0
     with torch.no_grad():
         factors = [f.tensor for f in compute_log_factors(model_trace, guide_trace)]
-    draws = {}
-    for name in names:
-        site = model_trace.nodes[name]
+    draws, indices = {}, {}
+    for site in particle_sites(model_trace, guide_trace):
         symbol = site["infer"]["_dim_to_symbol"][site["infer"]["_enumerate_dim"]]
         index = _draw_particle(factors, scales, site, symbol, num_draws)
         factors = [_condition(t, symbol, index) for t in factors]
-        draws[name] = _gather_values(site, index, model_trace.plate_to_symbol)
-    return draws
+        indices[symbol] = index
+        if site["name"] in model_trace.nodes:
+            draws[site["name"]] = _gather_values(site, index, model_trace.plate_to_symbol)
+    for name in point_mass_sites(model_trace):
+        draws[name] = _gather_point_mass(model_trace.nodes[name], indices, model_trace.plate_to_symbol, num_draws)
+    return {name: draws[name] for name in model_trace.nodes if name in draws}
+
+
+def _gather_point_mass(site, indices: Dict[str, torch.Tensor], plate_to_symbol, num_draws: int) -> torch.Tensor:
+    """
+    A Delta site's value at the drawn particles of every particle dim it carries:
+    ``(num_draws,) + plate shape + event shape``.
+    """
+    value = site["value"].detach()
+    event_dim = site["fn"].event_dim
+    batch_ndim = value.dim() - event_dim
+    plates = _plate_shape(site)
+    symbols = [DRAWS] + _plate_symbols(site, plate_to_symbol)
+    out_shape = (num_draws,) + plates
+    carried = {dim: symbol for symbol, dim in _carried_particle_dims(site, plate_to_symbol).items()}
+    index = []
+    for i in range(batch_ndim):
+        dim, size = i - batch_ndim, value.shape[i]
+        if size == 1:
+            index.append(torch.zeros((), dtype=torch.long, device=value.device))
+        elif dim in carried:
+            index.append(_to_out_dims(indices[carried[dim]], symbols))
+        else:  # a plate dim: keep it in place
+            position = len(out_shape) + dim
+            index.append(torch.arange(size, device=value.device).reshape((size,) + (1,) * (-dim - 1)))
+            assert out_shape[position] == size
+    picked = value[tuple(index)] if index else value
+    return picked.expand(out_shape + value.shape[batch_ndim:])
+
+
+def _to_out_dims(index: torch.Tensor, symbols: List[str]) -> torch.Tensor:
+    """A packed index tensor viewed over ``symbols`` (size 1 where it lacks one)."""
+    own = [d for d in symbols if d and d in index._pyro_dims]
+    tensor = index.permute(tuple(index._pyro_dims.index(d) for d in own))
+    return tensor.reshape([tensor.shape[own.index(d)] if d in own else 1 for d in symbols])
 
 
 def _with_draws_where_needed(factors: List[torch.Tensor], num_draws: int, plates) -> List[torch.Tensor]:

@@ -227,10 +227,13 @@ class TMCMessenger(EnumMessenger):
         super()._pyro_post_sample(msg)
         if isinstance(msg["fn"], TorchDistributionMixin) and msg["value"] is not None:
             self._occupants.update(self._value_dims[msg["name"]])
-            dim = msg["infer"].get("_enumerate_dim")
-            if dim is not None:
-                size = msg["value"].shape[dim - msg["fn"].event_dim]
-                self.particle_dims[dim] = (msg["name"], size)
+            # Name each dim after the site that brought it (a Delta's value carries
+            # its auxiliary site's dims, which the model never sees by name).
+            batch_shape = msg["value"].shape[: msg["value"].dim() - msg["fn"].event_dim]
+            own_dim = msg["infer"].get("_enumerate_dim")
+            for dim in self._value_dims[msg["name"]]:
+                if dim == own_dim or dim not in self.particle_dims:
+                    self.particle_dims[dim] = (msg["name"], batch_shape[dim])
 
     def shape_error_hint(self, role: str) -> str:
         """
