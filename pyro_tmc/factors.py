@@ -24,8 +24,9 @@ from pyro.poutine import Trace
 from pyro.util import check_site_shape
 
 from . import log_density
-from .contraction import ChunkedFactor
+from .contraction import ChunkedFactor, contract_log_factors
 from .proposals import proposal_log_prob
+from .scales import ScalePlan, plan_scales
 
 VARIANCE_REDUCTIONS = (None, "stl", "dregs")
 
@@ -47,31 +48,24 @@ def check_variance_reduction(variance_reduction: Optional[str]) -> Optional[str]
 
 
 def symbolize(model_trace: Trace, guide_trace: Trace) -> None:
-    """Give every dim of both traces a packed symbol, consistently across the two."""
+    """
+    Give every dim of both traces a packed symbol, consistently across the two,
+    and attribute every site's scale to the estimate, its plates or its factor
+    (:func:`pyro_tmc.scales.plan_scales`, kept as ``model_trace.tmc_scales``).
+    """
     guide_trace.symbolize_dims()
     model_trace.symbolize_dims(guide_trace.plate_to_symbol)
+    model_trace.tmc_scales = plan_scales(model_trace, guide_trace)
+
+
+def scale_plan(model_trace: Trace) -> ScalePlan:
+    """The trace's :class:`~pyro_tmc.scales.ScalePlan` (see :func:`symbolize`)."""
+    return model_trace.tmc_scales
 
 
 def plate_scales(model_trace: Trace) -> Dict[str, float]:
-    """Plate symbol -> subsampling scale (full size / subsample size) of every vectorised plate."""
-    scales = {}
-    for site in model_trace.nodes.values():
-        if site["type"] != "sample":
-            continue
-        for frame in site["cond_indep_stack"]:
-            if frame.vectorized:
-                full_size = frame.full_size if frame.full_size is not None else frame.size
-                symbol = model_trace.plate_to_symbol[frame.name]
-                scales[symbol] = float(full_size) / float(frame.size)
-    return scales
-
-
-def _site_plate_scale(site) -> float:
-    scale = 1.0
-    for frame in site["cond_indep_stack"]:
-        if frame.vectorized and frame.full_size is not None:
-            scale *= float(frame.full_size) / float(frame.size)
-    return scale
+    """Plate symbol -> the factor multiplying that plate's product (subsampling and poutine.scale)."""
+    return scale_plan(model_trace).plate_scales
 
 
 def _log_prob(site, value=None) -> torch.Tensor:
@@ -197,9 +191,9 @@ def site_log_factors(
     """
     site = model_trace.nodes[name]
     dim_to_symbol = site["infer"]["_dim_to_symbol"]
-    # Plate subsampling is applied at the plate product (contraction.py); any
-    # other scale (poutine.scale) weights this site's log factor directly.
-    extra_scale = site["scale"] / _site_plate_scale(site)
+    # Plate subsampling and poutine.scale common to a plate or the model act on the
+    # log of the sum over particles (scales.py); what is left weights this factor.
+    extra_scale = scale_plan(model_trace).site_scale(name)
     q_site = None if site["is_observed"] else proposal_site(name, model_trace, guide_trace)
     if q_site is site and is_point_mass_site(site):
         return []  # a model-only Delta proposes itself: p / q = 1
@@ -226,7 +220,7 @@ def site_log_factors(
 
 
 def guide_site_log_factors(
-    site, source: Optional[torch.Tensor] = None, detach_guide_proposal: bool = False
+    site, extra_scale=1.0, source: Optional[torch.Tensor] = None, detach_guide_proposal: bool = False
 ) -> List[torch.Tensor]:
     """
     The packed log factor of a guide site the model lacks: ``-log q - log K``
@@ -241,7 +235,6 @@ def guide_site_log_factors(
             f"Guide site '{site['name']}' is marked infer={{'enumerate': 'parallel'}} but the model "
             "has no site of that name, so TMC cannot sum it exactly. Drop the flag to sample it."
         )
-    extra_scale = site["scale"] / _site_plate_scale(site)
     term = _proposal_term(site, extra_scale, site["mask"], detach_guide_proposal)
     if source is not None:
         term = term + source
@@ -277,7 +270,8 @@ def compute_log_factors(
             factors.append(LogFactor(name, tensor))
     for name in guide_only_sites(model_trace, guide_trace):
         site = guide_trace.nodes[name]
-        for tensor in guide_site_log_factors(site, sources.get(name), detach_guide_proposals):
+        extra_scale = scale_plan(model_trace).site_scale(name)
+        for tensor in guide_site_log_factors(site, extra_scale, sources.get(name), detach_guide_proposals):
             factors.append(LogFactor(name, tensor))
     return factors
 
@@ -297,9 +291,20 @@ def particle_shape(site) -> torch.Size:
     return shape
 
 
-def plate_scale_of(site) -> float:
-    """The product of the subsampling scales of the site's plates."""
-    return _site_plate_scale(site)
+def contract_estimate(factors: List["LogFactor"], model_trace: Trace) -> torch.Tensor:
+    """log P_TMC: the factors contracted with the trace's plate scales, times its root scale."""
+    plan = scale_plan(model_trace)
+    estimate = contract_log_factors([f.tensor for f in factors], plan.plate_scales)
+    return estimate if plan.root == 1.0 else estimate * plan.root
+
+
+def plate_scale_of(site, model_trace: Trace) -> float:
+    """
+    What multiplies the site's factor from outside it (subsampling, and the
+    poutine.scale carried by the estimate and its plates): the gradient with
+    respect to a source added to the factor is the marginal times this.
+    """
+    return scale_plan(model_trace).carried_scale(site)
 
 
 def check_site_shapes(model_trace: Trace, guide_trace: Trace, max_plate_nesting) -> None:

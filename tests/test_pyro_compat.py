@@ -796,3 +796,123 @@ def test_collapse_not_implemented():
 
     with pytest.raises(NotImplementedError, match="collapsed_loc"):
         TMC_ELBO(num_samples=3, max_plate_nesting=0).loss(model, empty_guide)
+
+
+# --------------------------------------------------------------------------- #
+# Found by the outside corpus: per-element ancestors, poutine.scale, empty model,
+# read-outs for Delta (AutoGuide) sites.
+# --------------------------------------------------------------------------- #
+PLATE_X = torch.tensor([1.9, -0.3, 2.4, 0.2, 1.1, 2.8, -0.8, 1.6])
+
+
+def global_switch_model():
+    g = pyro.sample("g", dist.Bernoulli(0.5))
+    with pyro.plate("data", len(PLATE_X)):
+        z = pyro.sample("z", dist.Bernoulli(0.2 + 0.6 * g))
+        pyro.sample("x", dist.Normal(2.0 * z, 1.0), obs=PLATE_X)
+
+
+def global_switch_guide():
+    g = pyro.sample("g", dist.Bernoulli(0.5))
+    with pyro.plate("data", len(PLATE_X)):
+        pyro.sample("z", dist.Bernoulli(logits=2 * PLATE_X - 2 + 2.0 * (2 * g - 1)))
+
+
+def _global_switch_log_px():
+    """Exact: sum over g of p(g) prod_i sum_z p(z | g) N(x_i; 2z, 1)."""
+    total = 0.0
+    for g in (0, 1):
+        p_z = 0.2 + 0.6 * g
+        per_point = [p_z * normal_pdf(x, 2.0, 1.0) + (1 - p_z) * normal_pdf(x, 0.0, 1.0) for x in PLATE_X.tolist()]
+        total += 0.5 * math.prod(per_point)
+    return math.log(total)
+
+
+@pytest.mark.parametrize("proposal", ["mixture", "permutation"])
+def test_plate_site_drawn_from_global_latent_unbiased(proposal):
+    """
+    Local guide sites drawing from a global latent's particles pick their
+    ancestors per plate element: one pick shared by the whole plate couples the
+    elements, and E[P_TMC] was 1.32 p(x) here.
+    """
+    elbo = TMC_ELBO(num_samples=4, max_plate_nesting=1, proposal=proposal)
+    log_p = log_evidence_draws(elbo, global_switch_model, global_switch_guide, 1500)
+    assert_unbiased(log_p, _global_switch_log_px(), max_se=0.05)
+
+
+SCALE_X = torch.tensor([0.4, -1.3, 2.2])
+
+
+@config_enumerate
+def scaled_mixture_model(x, scale_where):
+    """A two-component mixture per point; ``poutine.scale`` over the whole model or inside the plate."""
+    whole = poutine.scale(scale=3.0) if scale_where == "model" else poutine.scale(scale=1.0)
+    with whole:
+        loc = pyro.sample("loc", dist.Normal(0.0, 2.0))
+        with pyro.plate("data", len(x)):
+            inner = poutine.scale(scale=2.5) if scale_where == "plate" else poutine.scale(scale=1.0)
+            with inner:
+                c = pyro.sample("c", dist.Bernoulli(0.3))
+                pyro.sample("x", dist.Normal(loc * c, 1.0), obs=x)
+
+
+def scaled_mixture_guide(x, scale_where):
+    whole = poutine.scale(scale=3.0) if scale_where == "model" else poutine.scale(scale=1.0)
+    with whole:
+        pyro.sample("loc", dist.Delta(torch.tensor(1.2)))
+
+
+@pytest.mark.parametrize("scale_where", ["model", "plate"])
+def test_common_poutine_scale_acts_outside_the_sum_as_traceenum(scale_where):
+    """
+    A scale common to the whole model, or to everything inside a plate, multiplies
+    the log of the sum over the enumerated values, as TraceEnum_ELBO (and a
+    subsampled plate) has it, not the terms inside the sum.
+    """
+    args = (SCALE_X, scale_where)
+    expected = TraceEnum_ELBO(max_plate_nesting=1).loss(scaled_mixture_model, scaled_mixture_guide, *args)
+    actual = TMC_ELBO(num_samples=4, max_plate_nesting=1).loss(scaled_mixture_model, scaled_mixture_guide, *args)
+    assert close(actual, expected)
+
+
+def test_empty_model_and_guide():
+    """Nothing to weigh: log P_TMC = 0, as Trace_ELBO's loss."""
+    assert TMC_ELBO(num_samples=4, max_plate_nesting=0).loss(empty_guide, empty_guide) == 0.0
+
+
+def conjugate_model(y):
+    z = pyro.sample("z", dist.Normal(0.0, 1.0))
+    with pyro.plate("data", len(y)):
+        pyro.sample("y", dist.Normal(z, 1.0), obs=y)
+
+
+@pytest.mark.parametrize("guide_kind", ["AutoNormal", "AutoDiagonalNormal"])
+def test_posterior_readouts_of_autoguide_sites(guide_kind):
+    """
+    The model's latent under an AutoGuide is a Delta site carried by an
+    auxiliary site's particles: compute_marginals reports it (exact posterior mean
+    sum(y) / (n + 1) within the spread over draws) and sample_posterior draws it,
+    ready for Predictive.
+    """
+    y = torch.tensor([1.2, 0.4, 2.0, 1.5])
+    exact_mean = y.sum().item() / (len(y) + 1)
+    guide_class = getattr(pyro.infer.autoguide, guide_kind)
+    guide = guide_class(conjugate_model, init_scale=1.0)
+    elbo = TMC_ELBO(num_samples=256, max_plate_nesting=1)
+    means = [elbo.compute_marginals(conjugate_model, guide, y)["z"].mean.item() for _ in range(20)]
+    mean, se = mean_and_se(means)
+    assert abs(mean - exact_mean) < NUM_SE * se + 0.02, (mean, se, exact_mean)
+    draws = elbo.sample_posterior(conjugate_model, guide, y, num_draws=500)
+    assert draws["z"].shape == (500,)
+    assert abs(draws["z"].mean().item() - exact_mean) < 0.25
+    predictive = pyro.infer.Predictive(conjugate_model, posterior_samples=draws)(y)
+    assert predictive["y"].shape == (500, len(y))
+
+
+def test_autodelta_marginal_is_its_point():
+    """An AutoDelta site has one value: its marginal is that point, with weight one."""
+    guide = pyro.infer.autoguide.AutoDelta(conjugate_model)
+    y = torch.tensor([1.2, 0.4])
+    marginal = TMC_ELBO(num_samples=8, max_plate_nesting=1).compute_marginals(conjugate_model, guide, y)["z"]
+    assert marginal.mean.item() == pytest.approx(guide.median()["z"].item())
+    assert marginal.variance.item() == pytest.approx(0.0)

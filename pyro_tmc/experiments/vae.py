@@ -287,16 +287,17 @@ def train_data_parallel(config: TrainConfig, images: torch.Tensor, devices: int)
     from ..distributed import fit_data_parallel  # the optional lightning dependency
 
     pyro.clear_param_store()
-    pyro.settings.set(module_local_params=True)
-    generative = Generative(images.shape[-1])
-    recognition = recognition_model(config.recognition, images.shape[-1])
-    fit = fit_data_parallel(
-        _Program(generative, "model"), _Program(recognition, "guide"),
-        make_elbo(config.objective, config.num_samples, config.variance_reduction),
-        _Binarised(images), devices, batch_size=config.batch_size, max_epochs=config.epochs,
-        accelerator="gpu" if config.device.startswith("cuda") else "cpu",
-        step_kwargs={"num_data": len(images)}, loss_normaliser=float(len(images)), seed=config.seed,
-    )
+    # Lightning owns the parameters: module-local, and only for this run (no global setting changed).
+    with pyro.settings.context(module_local_params=True):
+        generative = Generative(images.shape[-1])
+        recognition = recognition_model(config.recognition, images.shape[-1])
+        fit = fit_data_parallel(
+            _Program(generative, "model"), _Program(recognition, "guide"),
+            make_elbo(config.objective, config.num_samples, config.variance_reduction),
+            _Binarised(images), devices, batch_size=config.batch_size, max_epochs=config.epochs,
+            accelerator="gpu" if config.device.startswith("cuda") else "cpu",
+            step_kwargs={"num_data": len(images)}, loss_normaliser=float(len(images)), seed=config.seed,
+        )
     losses = [row["train_loss"] for row in fit.history if "train_loss" in row]
     return {"recognition": config.recognition, "trained with": config.objective, "devices": devices,
             "train bound": -losses[-1] if losses else float("nan"),

@@ -28,7 +28,14 @@ from pyro.distributions import Categorical, Empirical
 from pyro.poutine import Trace
 
 from ..contraction import contract_log_factors
-from ..factors import compute_log_factors, guide_only_sites, particle_shape, plate_scale_of, plate_scales
+from ..factors import (
+    compute_log_factors,
+    contract_estimate,
+    guide_only_sites,
+    particle_shape,
+    plate_scale_of,
+    plate_scales,
+)
 from .path_gradients import marginal_sources
 
 #: the packed symbol of the draws' batch dim (outside opt_einsum's generated range)
@@ -156,13 +163,13 @@ def compute_marginals(model_trace: Trace, guide_trace: Trace) -> "OrderedDict[st
     if sources:
         with torch.enable_grad():
             factors = compute_log_factors(model_trace, guide_trace, sources)
-            log_p = contract_log_factors([f.tensor for f in factors], plate_scales(model_trace))
+            log_p = contract_estimate(factors, model_trace)
             grads = torch.autograd.grad(log_p, list(sources.values()), allow_unused=True)
     log_weights_of = {}  # particle symbol -> (owner site, plates + (K,) log weights)
     marginals = OrderedDict()
     for site, grad in zip(sites, grads):
         name = site["name"]
-        weights = torch.zeros_like(sources[name]) if grad is None else grad / plate_scale_of(site)
+        weights = torch.zeros_like(sources[name]) if grad is None else grad / plate_scale_of(site, model_trace)
         log_weights = _particles_last(site, weights.clamp(min=0).log(), 0)
         symbol = site["infer"]["_dim_to_symbol"][site["infer"]["_enumerate_dim"]]
         log_weights_of[symbol] = log_weights

@@ -10,7 +10,6 @@ from pyro.poutine import Trace
 from pyro.poutine.util import prune_subsample_sites
 from pyro.util import check_model_guide_match, check_traceenum_requirements, warn_if_nan
 
-from ..contraction import contract_log_factors
 from .base import DifferentiableLossELBO
 from ..factors import (
     check_finite,
@@ -18,11 +17,11 @@ from ..factors import (
     check_site_shapes,
     check_variance_reduction,
     compute_log_factors,
+    contract_estimate,
     is_summed_exactly,
     latent_site,
     particle_shape,
     plate_scale_of,
-    plate_scales,
     symbolize,
 )
 from ..poutine import TMCMessenger
@@ -235,7 +234,7 @@ class TMC_ELBO(DifferentiableLossELBO):
         factors = compute_log_factors(
             model_trace, guide_trace, sources, detach_guide_proposals, max_elements
         )
-        estimate = contract_log_factors([f.tensor for f in factors], plate_scales(model_trace))
+        estimate = contract_estimate(factors, model_trace)
         check_finite(factors, estimate)
         return estimate
 
@@ -269,7 +268,7 @@ class TMC_ELBO(DifferentiableLossELBO):
         if sources:
             weights = {
                 name: _zero_if_none(grad, sources[name])
-                / plate_scale_of(latent_site(name, model_trace, guide_trace))
+                / plate_scale_of(latent_site(name, model_trace, guide_trace), model_trace)
                 for name, grad in zip(sources, grads[len(leaves):])
             }
             event_dims = {name: live_trace.nodes[name]["fn"].event_dim for name in names}

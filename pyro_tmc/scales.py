@@ -1,0 +1,138 @@
+"""Where ``poutine.scale`` acts in the TMC estimate.
+
+A subsampled plate of full size N seen through B elements multiplies the plate's
+product of ``log(sum over particles)`` by N / B (:mod:`pyro_tmc.contraction`).
+``poutine.scale`` used the same way, a common scale over a whole model or over
+everything inside a plate (e.g. a hand-made subsampling correction), acts the
+same way: on the log of the sum over particles, not inside it. This is what
+``TraceEnum_ELBO`` does with a common scale on enumerated sites.
+
+So each site's scale ``s`` (beyond its plates' subsampling) is written as
+``root * prod_{p in plates} f(p)``: ``root`` multiplies the whole log estimate
+and ``f(p)`` multiplies plate p's product, like subsampling. The factors are
+read off the sites from the outermost plates in: the common scale of the sites
+outside every plate gives ``root``; the common remaining scale of the sites in
+exactly the plates P gives ``f`` of P's innermost new plate. Sites whose scales
+cannot be written so (different scales among sites in the same plates, e.g. a
+KL annealing factor on the latents only) keep the remainder as a *tempering*:
+their log factor is multiplied by it, so the weight carries ``p^s / q^s``, which
+at K = 1 is ``Trace_ELBO``'s scaled ELBO.
+"""
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Dict, FrozenSet, List, Tuple
+
+import torch
+from pyro.poutine import Trace
+
+
+@dataclass
+class ScalePlan:
+    """
+    :param float root: multiplies the whole log estimate.
+    :param dict plate_scales: plate symbol -> the factor multiplying that plate's
+        product: subsampling scale times its share of ``poutine.scale``.
+    :param dict residual: site name -> the scale left on the site's own log
+        factor (1.0 where the site's scale is fully carried by root and plates).
+    """
+
+    root: float = 1.0
+    plate_scales: Dict[str, float] = field(default_factory=dict)
+    residual: Dict[str, float] = field(default_factory=dict)
+
+    def site_scale(self, name: str):
+        """The tempering left on site ``name``'s factor (a float, or a tensor per element)."""
+        return self.residual.get(name, 1.0)
+
+    def carried_scale(self, site):
+        """What multiplies a site's (unscaled) factor from outside it: root, plates, subsampling."""
+        return site["scale"] / self.site_scale(site["name"])
+
+
+def subsample_scale(site) -> float:
+    """The product of the subsampling scales (full size / subsample size) of the site's plates."""
+    scale = 1.0
+    for frame in site["cond_indep_stack"]:
+        if frame.vectorized and frame.full_size is not None:
+            scale *= float(frame.full_size) / float(frame.size)
+    return scale
+
+
+def _subsample_scales(traces) -> Dict[str, float]:
+    scales = {}
+    for trace in traces:
+        for site in trace.nodes.values():
+            if site["type"] != "sample":
+                continue
+            for frame in site["cond_indep_stack"]:
+                if frame.vectorized:
+                    full_size = frame.full_size if frame.full_size is not None else frame.size
+                    scales[trace.plate_to_symbol[frame.name]] = float(full_size) / float(frame.size)
+    return scales
+
+
+def _scaled_sites(model_trace: Trace, guide_trace: Trace) -> List[Tuple[str, Tuple[str, ...], float]]:
+    """(name, plate symbols outermost first, scale beyond subsampling) of every site with a factor."""
+    sites = []
+    for trace, own in ((model_trace, lambda n: True), (guide_trace, lambda n: n not in model_trace.nodes)):
+        for name, site in trace.nodes.items():
+            if site["type"] != "sample" or not own(name):
+                continue
+            frames = sorted((f for f in site["cond_indep_stack"] if f.vectorized), key=lambda f: -f.dim)
+            plates = tuple(trace.plate_to_symbol[f.name] for f in frames)
+            sites.append((name, plates, site["scale"] / subsample_scale(site)))
+    return sites
+
+
+def _common(values: List[float]):
+    """The common value of ``values`` (to rounding), or ``None``."""
+    first = values[0]
+    return first if all(math.isclose(v, first, rel_tol=1e-6) for v in values) else None
+
+
+def plan_scales(model_trace: Trace, guide_trace: Trace) -> ScalePlan:
+    """
+    Attribute every site's ``poutine.scale`` to the root and its plates (see the
+    module docstring). Both traces must have been symbolised.
+    """
+    plan = ScalePlan(plate_scales=_subsample_scales((model_trace, guide_trace)))
+    sites = []
+    for name, plates, scale in _scaled_sites(model_trace, guide_trace):
+        if isinstance(scale, torch.Tensor) and scale.numel() > 1:
+            plan.residual[name] = scale  # a scale per element: a tempering of its factor
+        else:
+            sites.append((name, plates, float(scale)))
+    if not sites:
+        return plan
+    everything = _common([s for _, _, s in sites])
+    if everything is not None:  # one scale for the whole model: outside the log of the sum
+        plan.root = everything
+        return plan
+    groups: Dict[FrozenSet[str], List[Tuple[str, Tuple[str, ...], float]]] = defaultdict(list)
+    for item in sites:
+        groups[frozenset(item[1])].append(item)
+    factor: Dict[str, float] = {}
+    for plates in sorted(groups, key=len):
+        group = groups[plates]
+        ordered = group[0][1]
+        carried = [plan.root] + [factor.get(p, 1.0) for p in ordered]
+        known = math.prod(carried) if plates else 1.0
+        new = [p for p in ordered if p not in factor]
+        common = _common([s / known for _, _, s in group])
+        if not plates and common is not None:
+            plan.root = common
+            continue
+        if new and common is not None:
+            factor[new[-1]] = common  # the innermost plate not yet scaled
+            for p in new[:-1]:
+                factor[p] = 1.0
+        for name, site_plates, s in group:
+            carried = plan.root * math.prod(factor.get(p, 1.0) for p in site_plates)
+            remainder = s / carried
+            if not math.isclose(remainder, 1.0, rel_tol=1e-6):
+                plan.residual[name] = remainder
+    for symbol, f in factor.items():
+        plan.plate_scales[symbol] = plan.plate_scales.get(symbol, 1.0) * f
+    return plan
