@@ -68,6 +68,20 @@ def plate_scales(model_trace: Trace) -> Dict[str, float]:
     return scale_plan(model_trace).plate_scales
 
 
+def _pack(site, tensor: torch.Tensor, dim_to_symbol) -> torch.Tensor:
+    """Pack a site's log factor; a shape that fits neither its plates nor its particle dims names the site."""
+    try:
+        return pack(tensor, dim_to_symbol)
+    except ValueError as error:
+        dims = {d: s for d, s in dim_to_symbol.items()}
+        raise ValueError(
+            f"The log density of site '{site['name']}' has shape {tuple(tensor.shape)}, which does not fit "
+            f"its plates and particle dims (dims {sorted(dims)}): a value was probably broadcast so that "
+            "particles landed on a plate dim or the reverse. See 'Writing models for TMC: broadcasting "
+            "and Vindex' in the README."
+        ) from error
+
+
 def _log_prob(site, value=None) -> torch.Tensor:
     fn = site["fn"]
     try:
@@ -207,7 +221,7 @@ def site_log_factors(
     ):
         factors = [_chunked_log_prob(site, extra_scale, max_factor_elements, mask)]
     else:
-        factors = [pack(scale_and_mask(_log_prob(site), extra_scale, mask), dim_to_symbol)]
+        factors = [_pack(site, scale_and_mask(_log_prob(site), extra_scale, mask), dim_to_symbol)]
     proposal_term = 0.0
     if q_site is not None and not is_summed_exactly(q_site):
         detach = detach_guide_proposal and q_site is not site

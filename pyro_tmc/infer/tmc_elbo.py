@@ -54,6 +54,33 @@ def run_with_shape_hint(messenger: TMCMessenger, role: str, run, args, kwargs) -
         raise hinted from error
 
 
+def check_model_guide_shapes_match(model_trace: Trace, guide_trace: Trace, max_plate_nesting) -> None:
+    """
+    :func:`pyro.util.check_model_guide_match`, whose shape comparison trims a
+    shape with a negative start when its event dims outnumber the rest (a
+    Dirichlet transition matrix under AutoNormal carries particle dims on the
+    guide side only) and then reports a false disagreement. We compare the
+    plate and event dims ourselves in that case.
+    """
+    try:
+        check_model_guide_match(model_trace, guide_trace, max_plate_nesting)
+    except ValueError as error:
+        if "shapes disagree" not in str(error):
+            raise
+        for name, guide_site in guide_trace.nodes.items():
+            model_site = model_trace.nodes.get(name)
+            if guide_site["type"] != "sample" or model_site is None or model_site["type"] != "sample":
+                continue
+            kept = int(max_plate_nesting) + model_site["fn"].event_dim
+            model_shape = tuple(model_site["fn"].shape())[-kept:] if kept else ()
+            guide_shape = tuple(guide_site["fn"].shape())[-kept:] if kept else ()
+            width = max(len(model_shape), len(guide_shape))
+            if (1,) * (width - len(model_shape)) + model_shape != (1,) * (width - len(guide_shape)) + guide_shape:
+                raise ValueError(
+                    f"Model and guide shapes disagree at site '{name}': {model_shape} vs {guide_shape}"
+                ) from error
+
+
 def warn_about_summed_guide_sites(guide_trace: Trace) -> None:
     """Warn, naming the site, where a guide site marked for enumeration is summed exactly."""
     for name, site in guide_trace.nodes.items():
@@ -192,7 +219,7 @@ class TMC_ELBO(DifferentiableLossELBO):
 
     def _finish(self, model_trace: Trace, guide_trace: Trace) -> Tuple[Trace, Trace]:
         if is_validation_enabled():
-            check_model_guide_match(model_trace, guide_trace, self.max_plate_nesting)
+            check_model_guide_shapes_match(model_trace, guide_trace, self.max_plate_nesting)
             check_traceenum_requirements(model_trace, guide_trace)
         guide_trace = prune_subsample_sites(guide_trace)
         model_trace = prune_subsample_sites(model_trace)

@@ -248,8 +248,9 @@ class TMCMessenger(EnumMessenger):
             f"\n\nThis happened while running the {role} under TMC, {where}. TMC gives every latent "
             "site a particle dim left of the plate dims, so values carry extra batch dims: "
             f"particle dims present: {dims or 'none'}. Write the {role} so that it broadcasts over "
-            "them: index with pyro.ops.indexing.Vindex (Vindex(locs)[..., z]), multiply batched vectors "
-            "with (X * w.unsqueeze(-2)).sum(-1) rather than X @ w, and let plates and to_event carry "
+            "them: index with pyro.ops.indexing.Vindex (Vindex(locs)[..., z]), write (X * w).sum(-1) rather "
+            "than X @ w for a latent vector w outside the data plate (its value already has a "
+            "size-1 slot for the plate), and let plates and to_event carry "
             "the shapes. See 'Writing models for TMC: broadcasting and Vindex' in the README."
         )
 
