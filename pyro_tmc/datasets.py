@@ -1,15 +1,16 @@
 """
-MNIST loading for the experiments.
+MNIST loading for the experiments and tutorials.
 
 :func:`load_mnist` reads the classic pickled split: a gzip'd pickle of
 ``(train, valid, test)``, each ``(images, labels)`` with images float32 of shape
-``(n, 784)`` in [0, 1). The path comes from the ``path`` argument, else from the
-environment variable ``PYRO_TMC_MNIST``; without either, torchvision's copy is
-downloaded when torchvision is installed and online.
+``(n, 784)`` in [0, 1). The path comes from the ``path`` argument (the command
+line's ``--mnist``), else from the environment variable ``PYRO_TMC_MNIST``; without
+either, torchvision's copy is downloaded when torchvision is installed and online.
 
 :func:`load_embedded` needs no file and no network (scikit-learn's 8x8 digits when
-installed, else a synthetic binary dataset generated deterministically), so that
-quick runs and tests are self-contained. :func:`load_dataset` picks between them.
+installed, else a synthetic dataset of 28x28 images generated deterministically), so
+that quick runs, tutorials and tests are self-contained. :func:`load_dataset` picks
+between them, in that order, and says which one it used (:attr:`Splits.source`).
 """
 
 import gzip
@@ -24,8 +25,23 @@ SPLITS = ("train", "valid", "test")
 
 
 class Split(NamedTuple):
-    images: torch.Tensor  # float32 (n, pixels), grey levels in [0, 1)
-    labels: torch.Tensor  # int64 (n,)
+    """One split of a dataset."""
+
+    images: torch.Tensor  #: float32 ``(n, pixels)``, grey levels in [0, 1)
+    labels: torch.Tensor  #: int64 ``(n,)``
+
+
+class Splits(dict):
+    """
+    ``{"train": Split, "valid": Split, "test": Split}``, and where they came from.
+
+    :ivar str source: one line naming the data, e.g. ``"MNIST (mnist.pkl.gz, from $PYRO_TMC_MNIST)"``
+        or ``"embedded digits (synthetic 28x28 images; no MNIST file given)"``.
+    """
+
+    def __init__(self, splits: Dict[str, Split], source: str) -> None:
+        super().__init__(splits)
+        self.source = source
 
 
 def read_pickled_mnist(path: str) -> Dict[str, Split]:
@@ -39,6 +55,12 @@ def read_pickled_mnist(path: str) -> Dict[str, Split]:
         name: Split(torch.as_tensor(images, dtype=torch.float32), torch.as_tensor(labels, dtype=torch.int64))
         for name, (images, labels) in zip(SPLITS, parts)
     }
+
+
+def default_download_root() -> str:
+    """Where torchvision's MNIST is kept: ``$XDG_CACHE_HOME/pyro_tmc``, by default ``~/.cache/pyro_tmc``."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "pyro_tmc")
 
 
 def _torchvision_mnist(root: str) -> Dict[str, Split]:
@@ -58,22 +80,26 @@ def _torchvision_mnist(root: str) -> Dict[str, Split]:
     }
 
 
-def load_mnist(path: Optional[str] = None, download_root: str = "data") -> Dict[str, Split]:
+def load_mnist(path: Optional[str] = None, download_root: Optional[str] = None) -> Splits:
     """
     MNIST as three splits of flattened images in [0, 1).
 
     :param str path: the pickled split; defaults to ``$PYRO_TMC_MNIST``.
-    :param str download_root: where torchvision keeps its copy when neither is given.
+    :param str download_root: where torchvision keeps its copy when neither is given
+        (default: :func:`default_download_root`).
     :raises FileNotFoundError: when no path is given and torchvision is not installed.
     """
-    path = path or os.environ.get(MNIST_ENV)
     if path:
-        return read_pickled_mnist(path)
+        return Splits(read_pickled_mnist(path), f"MNIST ({path})")
+    if os.environ.get(MNIST_ENV):
+        path = os.environ[MNIST_ENV]
+        return Splits(read_pickled_mnist(path), f"MNIST ({path}, from ${MNIST_ENV})")
+    root = download_root or default_download_root()
     try:
-        return _torchvision_mnist(download_root)
+        return Splits(_torchvision_mnist(root), f"MNIST (torchvision's copy in {root})")
     except ImportError:
         raise FileNotFoundError(
-            f"No MNIST file: pass its path or set {MNIST_ENV} to a gzip'd pickle of "
+            f"No MNIST file: pass its path (--mnist) or set {MNIST_ENV} to a gzip'd pickle of "
             "(train, valid, test), or install torchvision to download it."
         ) from None
 
@@ -103,7 +129,7 @@ def _synthetic_digits(num_images: int = 3000, side: int = 28, seed: int = 0) -> 
     return images, labels
 
 
-def load_embedded(num_valid: int = 300, num_test: int = 300) -> Dict[str, Split]:
+def load_embedded(num_valid: int = 300, num_test: int = 300) -> Splits:
     """
     A small digit dataset that needs no file: scikit-learn's 8x8 digits when
     scikit-learn is installed, else synthetic 28x28 images (deterministic).
@@ -111,21 +137,37 @@ def load_embedded(num_valid: int = 300, num_test: int = 300) -> Dict[str, Split]
     """
     try:
         images, labels = _sklearn_digits()
+        source = "embedded digits (scikit-learn's 8x8 digits, not MNIST)"
     except ImportError:
         images, labels = _synthetic_digits()
+        source = "embedded digits (synthetic 28x28 images, not MNIST)"
     ends = (len(images) - num_valid - num_test, len(images) - num_test, len(images))
     starts = (0,) + ends[:2]
-    return {
-        name: Split(images[start:end], labels[start:end])
-        for name, start, end in zip(SPLITS, starts, ends)
-    }
+    return Splits(
+        {name: Split(images[start:end], labels[start:end]) for name, start, end in zip(SPLITS, starts, ends)},
+        source,
+    )
 
 
-def load_dataset(path: Optional[str] = None, embedded: bool = False) -> Dict[str, Split]:
+def load_dataset(path: Optional[str] = None, embedded: bool = False, fallback: bool = False,
+                 download_root: Optional[str] = None) -> Splits:
     """
     MNIST from ``path`` or ``$PYRO_TMC_MNIST`` when either is given; otherwise the
     embedded digits if ``embedded`` (quick runs), else MNIST from torchvision.
+
+    :param bool fallback: when MNIST can't be had from torchvision (not installed, or
+        offline), use the embedded digits instead of raising (what the tutorials do).
+    :returns: the splits; their ``source`` names the data used.
     """
     if embedded and not (path or os.environ.get(MNIST_ENV)):
         return load_embedded()
-    return load_mnist(path)
+    if not fallback:
+        return load_mnist(path, download_root)
+    try:
+        return load_mnist(path, download_root)
+    except (FileNotFoundError, RuntimeError, OSError) as error:
+        if path or os.environ.get(MNIST_ENV):
+            raise  # a file was named: don't hide that it could not be read
+        data = load_embedded()
+        reason = "torchvision not installed" if isinstance(error, FileNotFoundError) else "download failed"
+        return Splits(data, f"{data.source}; no MNIST file given and {reason}")

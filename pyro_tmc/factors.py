@@ -28,23 +28,11 @@ from .contraction import ChunkedFactor, contract_log_factors
 from .proposals import proposal_log_prob
 from .scales import ScalePlan, plan_scales
 
-VARIANCE_REDUCTIONS = (None, "stl", "dregs")
-
-
 class LogFactor(NamedTuple):
     """A packed log factor and the site it came from (for error messages)."""
 
     site: str
     tensor: torch.Tensor
-
-
-def check_variance_reduction(variance_reduction: Optional[str]) -> Optional[str]:
-    """:raises ValueError: unless ``variance_reduction`` is one of :data:`VARIANCE_REDUCTIONS`."""
-    if variance_reduction not in VARIANCE_REDUCTIONS:
-        raise ValueError(
-            f"Unknown variance_reduction {variance_reduction!r}: expected None, 'stl' or 'dregs'."
-        )
-    return variance_reduction
 
 
 def symbolize(model_trace: Trace, guide_trace: Trace) -> None:

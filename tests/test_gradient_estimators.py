@@ -112,7 +112,7 @@ PROBLEMS = {
 
 def _particle_values(problem, elbo):
     """The particles of the guide's first run, per brute-force latent: shape (K,) each."""
-    trace = elbo._run_guide(problem.guide, (), {})
+    trace = elbo.draw(problem.model, problem.guide).guide_trace
     values = []
     for name, site in trace.nodes.items():
         if site["type"] == "sample" and not site["is_observed"] and "_tmc_draw" in site["infer"]:

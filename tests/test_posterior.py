@@ -110,10 +110,10 @@ def test_joint_draws_match_marginals():
     pyro.set_rng_seed(2)
     data = torch.randn(4, 2)
     elbo = TMC_ELBO(max_plate_nesting=1)
-    model_trace, guide_trace = next(elbo._get_traces(hmm, empty_guide, (data,), {}))
-    marginals = posterior.compute_marginals(model_trace, guide_trace)
+    draw = elbo.draw(hmm, empty_guide, data)
+    marginals = posterior.compute_marginals(draw)
     num_draws = 20000
-    draws = posterior.sample_posterior(model_trace, guide_trace, num_draws)
+    draws = posterior.sample_posterior(draw, num_draws)
     for t in range(4):
         site = f"z_{t}"
         assert draws[site].shape == (num_draws, 2)
@@ -150,9 +150,9 @@ def test_continuous_draws_follow_marginal_weights():
     pyro.set_rng_seed(4)
     x = sample_data(6)
     elbo = TMC_ELBO(num_samples=5, max_plate_nesting=1)
-    model_trace, guide_trace = next(elbo._get_traces(toy_model, toy_guide, (x,), {}))
-    theta = posterior.compute_marginals(model_trace, guide_trace)["theta"]
-    draws = posterior.sample_posterior(model_trace, guide_trace, 20000)["theta"]
+    draw = elbo.draw(toy_model, toy_guide, x)
+    theta = posterior.compute_marginals(draw)["theta"]
+    draws = posterior.sample_posterior(draw, 20000)["theta"]
     particles = theta.enumerate_support()
     freq = (draws[:, None] == particles).double().mean(0)
     probs = theta.log_weights.exp().double()

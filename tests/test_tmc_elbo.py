@@ -56,8 +56,9 @@ def test_contraction_equals_brute_force(strategy):
     pyro.set_rng_seed(0)
     K = 3
     elbo = TMC_ELBO(num_samples=K, max_plate_nesting=0, proposal=strategy)
-    model_trace, guide_trace = elbo._get_trace(chain_model, chain_guide, (), {})
-    estimate = elbo._log_estimate(model_trace, guide_trace)
+    draw = elbo.draw(chain_model, chain_guide)
+    model_trace, guide_trace = draw.model_trace, draw.guide_trace
+    estimate = draw.log_estimate()
 
     z0, z1, w = (guide_trace.nodes[n]["value"].reshape(-1) for n in ("z0", "z1", "w"))
     terms = []

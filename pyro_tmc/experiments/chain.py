@@ -77,23 +77,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> List[Dict]:
+    """Paper Fig. 4: log p(x) estimates vs K for the factorised and the non-factorised (prior) proposals."""
+    files = ["chain.csv", "chain_setup.json", "chain.png"]
+    out = report.prepare_output(args, files)
     if args.quick:
         args.length, args.ks, args.repeats = 10, [2, 8], 2
+    smoke = report.smoke_run_note(args, f"a chain of {args.length}, {args.repeats} estimates per point")
+    if smoke:
+        print(smoke)
+    data = f"one observation x={args.x} at the end of a chain of N={args.length} latents; exact log p(x) in closed form"
+    report.print_data(data)
     torch.manual_seed(args.seed)
     # float64: with a factorised proposal and small K the log weights reach -1000s,
     # where float32 sums of exponentials underflow.
     x = torch.tensor(args.x, dtype=torch.float64, device=args.device)
     exact = exact_log_evidence(x)
     rows = sweep(x, args.length, args.ks, args.repeats)
-    out = report.output_dir(args.out)
     report.write_csv(rows, f"{out}/chain.csv")
     report.write_json({"length": args.length, "x": args.x, "exact": exact}, f"{out}/chain_setup.json")
     plots.chain_figure(rows, exact, f"{out}/chain.png")
-    print(f"Chain of N={args.length} latents, x={args.x}: exact log p(x) = {exact:.3f}")
+    print(f"Chain of N={args.length} latents, x={args.x}: exact log p(x) = {exact:.3f}; "
+          f"log p(x) estimates, mean ± s.e. of {args.repeats}:")
     table = {}
     for row in rows:
         line = table.setdefault(row["K"], {"K": row["K"]})
         line[row["method"]] = f"{row['mean']:.3f} ± {row['se']:.3f}"
     methods = list(dict.fromkeys(row["method"] for row in rows))
     print(report.format_table(list(table.values()), ["K"] + methods))
+    report.print_notes([report.SE_NOTE.format(repeats=args.repeats), report.BOUND_NOTE, smoke])
+    report.finish(args, out, files, data)
     return rows

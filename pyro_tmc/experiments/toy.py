@@ -104,7 +104,9 @@ def bounds_table(
 
 
 def format_table(rows: List[Dict]) -> str:
-    header = f"{'K':>6} {'exact log p(x)':>15} {'TMC bound':>18} {'IWAE bound':>18} {'TMC ms':>8} {'IWAE ms':>8}"
+    """The demo's table: each bound as mean ± standard error, and milliseconds per estimate."""
+    header = (f"{'K':>6} {'exact log p(x)':>15} {'TMC bound ± s.e.':>18} {'IWAE bound ± s.e.':>18} "
+              f"{'TMC ms':>8} {'IWAE ms':>8}")
     lines = [header, "-" * len(header)]
     for row in rows:
         tmc, iwae = row["tmc"], row["iwae"]
@@ -136,12 +138,18 @@ def sweep(panel: str, settings: Sequence[Dict], repeats: int, device: str) -> Li
 
 
 def pivot(rows: Sequence[Dict], panel: str) -> List[Dict]:
-    """One line per value of the swept variable: each method's bound and milliseconds side by side."""
+    """
+    One line per value of the swept variable: each method's estimate (mean ± standard error)
+    and milliseconds per estimate side by side; a method not run at a setting is left out (a blank cell).
+    """
     fixed = "N" if panel == "K" else "K"
     lines: Dict[int, Dict] = {}
     for row in rows:
         line = lines.setdefault(row[panel], {panel: row[panel], fixed: row[fixed]})
-        line[row["method"]] = row["mean"]
+        if "se" in row:
+            line[row["method"]] = f"{row['mean']:.2f} ± {row['se']:.2f}"
+        else:
+            line[row["method"]] = row["mean"]
         if "seconds" in row:
             line[f"{row['method']} ms"] = 1e3 * row["seconds"]
     return [lines[key] for key in sorted(lines)]
@@ -164,8 +172,15 @@ def run(args: argparse.Namespace) -> List[Dict]:
     """Paper Fig. 3: TMC, SMC, IWAE and the exact log p(x), swept over K and over N."""
     from . import plots, report
 
+    files = ["toy.csv", "toy.png"]
+    out = report.prepare_output(args, files)
     if args.quick:
         args.ks, args.iwae_ks, args.ns, args.num_samples, args.repeats = [1, 4, 16], [64], [4, 16], 16, 2
+    smoke = report.smoke_run_note(args, f"{args.repeats} estimates per point and small K")
+    if smoke:
+        print(smoke)
+    data = "drawn from the model itself (data seed 0), N points per setting; exact log p(x) in closed form"
+    report.print_data(data)
     torch.manual_seed(args.seed)
     all_methods = ("TMC", "SMC", "IWAE")
     k_settings = [dict(K=k, N=args.num_data, methods=all_methods) for k in args.ks]
@@ -174,12 +189,20 @@ def run(args: argparse.Namespace) -> List[Dict]:
     k_rows = sweep("K", k_settings, args.repeats, args.device)
     n_rows = sweep("N", n_settings, args.repeats, args.device)
 
-    out = report.output_dir(args.out)
     report.write_csv(k_rows + n_rows, f"{out}/toy.csv")
     plots.toy_figure(k_rows, n_rows, f"{out}/toy.png")
     methods = ["exact", "TMC", "SMC", "IWAE", "TMC ms", "SMC ms", "IWAE ms"]
-    print(f"A, B: bound and time vs K at N={args.num_data} ({args.repeats} estimates per point)")
+    print(f"A, B: log p(x) estimates and time vs K at N={args.num_data} ({args.repeats} estimates per point)")
     print(report.format_table(pivot(k_rows, "K"), ["K"] + methods, floats="{:.2f}"))
-    print(f"C, D: bound and time vs N at K={args.num_samples}")
+    print(f"C, D: log p(x) estimates and time vs N at K={args.num_samples} ({args.repeats} estimates per point)")
     print(report.format_table(pivot(n_rows, "N"), ["N"] + methods, floats="{:.2f}"))
+    report.print_notes([
+        report.SE_NOTE.format(repeats=args.repeats),
+        report.BOUND_NOTE,
+        "ms: milliseconds per estimate, the mean over the estimates after one warm-up estimate (excluded).",
+        "Blank: not run at that setting (IWAE alone at the largest K, where TMC and SMC are not needed)."
+        if args.iwae_ks else None,
+        smoke,
+    ])
+    report.finish(args, out, files, data)
     return k_rows + n_rows

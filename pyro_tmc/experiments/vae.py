@@ -169,9 +169,10 @@ class TrainConfig:
 class TrainedVAE:
     generative: Generative
     recognition: nn.Module
-    seconds_per_epoch: float
+    seconds_per_epoch: float  # mean step time after the first (warm-up) step, times steps per epoch
     steps: int
     final_loss: float  # minus the training bound per data point, mean of the last epoch
+    first_step_seconds: float = float("nan")  # the warm-up step, excluded from seconds_per_epoch
 
 
 def binarise(images: torch.Tensor) -> torch.Tensor:
@@ -197,19 +198,21 @@ def train(config: TrainConfig, images: torch.Tensor, progress: bool = True) -> T
     recognition = recognition_model(config.recognition, images.shape[-1]).to(config.device)
     elbo = make_elbo(config.objective, config.num_samples, config.variance_reduction)
     svi = SVI(generative.model, recognition.guide, Adam({}), loss=elbo)
-    steps, epoch_seconds, losses = 0, [], []
-    bar = tqdm(total=config.epochs * -(-len(images) // config.batch_size), desc=_label(config),
-               disable=not progress, leave=False)
+    steps_per_epoch = -(-len(images) // config.batch_size)
+    step_seconds, losses = [], []
+    bar = tqdm(total=config.epochs * steps_per_epoch, desc=_label(config), disable=not progress, leave=False)
     for _ in range(config.epochs):
-        start, losses = time.perf_counter(), []
+        losses = []
         for batch in torch.randperm(len(images), device=config.device).split(config.batch_size):
-            losses.append(svi.step(binarise(images[batch])) / len(batch))
-            steps += 1
+            start = time.perf_counter()
+            losses.append(svi.step(binarise(images[batch])) / len(batch))  # .item() inside: synchronised
+            step_seconds.append(time.perf_counter() - start)
             bar.update()
-        epoch_seconds.append(time.perf_counter() - start)
     bar.close()
-    return TrainedVAE(generative, recognition, sum(epoch_seconds) / len(epoch_seconds), steps,
-                      sum(losses) / len(losses))
+    # The first step warms up (lazy setup, caches, the allocator): it is timed apart.
+    timed = step_seconds[1:] or step_seconds
+    return TrainedVAE(generative, recognition, steps_per_epoch * sum(timed) / len(timed), len(step_seconds),
+                      sum(losses) / len(losses), step_seconds[0])
 
 
 def evaluate(trained: TrainedVAE, objective: str, images: torch.Tensor, num_samples: int,
@@ -238,7 +241,7 @@ def run_grid(configs: Sequence[TrainConfig], train_images: torch.Tensor, test_im
         try:
             trained = train(config, train_images)
         except NotImplementedError as error:
-            rows.append(dict(row, note=f"skipped: {type(error).__name__}", reason=str(error)))
+            rows.append(dict(row, note=f"skipped: {error}", reason=f"{type(error).__name__}: {error}"))
             continue
         row.update({
             "train bound": -trained.final_loss,
@@ -246,6 +249,7 @@ def run_grid(configs: Sequence[TrainConfig], train_images: torch.Tensor, test_im
             "test TMC": evaluate(trained, "tmc", test_images, eval_samples),
             "s/epoch": trained.seconds_per_epoch,
             "steps": trained.steps,
+            "first step s": trained.first_step_seconds,
             "note": "",
         })
         rows.append(row)
@@ -313,9 +317,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--objectives", nargs="+", default=list(OBJECTIVES), choices=OBJECTIVES)
     parser.add_argument("--variance-reductions", nargs="+", default=["none", "stl", "dregs"],
                         choices=["none", "stl", "dregs"])
-    parser.add_argument("--num-samples", type=int, default=20, help="K for training and evaluation")
-    parser.add_argument("--epochs", type=int, default=1)
-    parser.add_argument("--batch-size", type=int, default=100)
+    parser.add_argument("--num-samples", type=int, default=20, help="K for training and evaluation (default: %(default)s)")
+    parser.add_argument("--epochs", type=int, default=1, help="training epochs (default: %(default)s)")
+    parser.add_argument("--batch-size", type=int, default=100, help="images per step (default: %(default)s)")
     parser.add_argument("--train-size", type=int, default=None, help="use the first n training images")
     parser.add_argument("--test-size", type=int, default=None, help="use the first n test images")
     parser.add_argument("--devices", type=int, default=None,
@@ -323,39 +327,63 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "GPUs (--device cuda) with PyTorch Lightning (pip install 'pyro-tmc[distributed]')")
 
 
-def _run_data_parallel(config: TrainConfig, train_images: torch.Tensor, args: argparse.Namespace) -> List[Dict]:
+def _run_data_parallel(config: TrainConfig, train_images: torch.Tensor, args: argparse.Namespace,
+                       out: str, files: List[str], data: str, smoke: Optional[str]) -> List[Dict]:
     print(f"VAE, data-parallel over {args.devices} process(es): {config.recognition} recognition, "
           f"{config.objective}, K={config.num_samples}, {len(train_images)} images, {config.epochs} epoch(s)")
     rows = [train_data_parallel(config, train_images, args.devices)]
-    out = report.output_dir(args.out)
     report.write_csv(rows, f"{out}/vae_data_parallel.csv")
     print(report.format_table(rows, list(rows[0]), floats="{:.2f}"))
+    report.print_notes([
+        "train bound: the training bound per image at the last step; samples/s: the median over steps "
+        "(all processes); wall s: the whole fit, process start-up included.",
+        smoke,
+    ])
+    report.finish(args, out, files, data)
     return rows
 
 
 def run(args: argparse.Namespace) -> List[Dict]:
+    """Paper Figs. 5 and 6: train the grid, evaluate each model under both bounds, tabulate and plot."""
+    files = ["vae_data_parallel.csv"] if args.devices else ["vae.csv", "vae_bounds.png", "vae_time.png"]
+    out = report.prepare_output(args, files)
     if args.quick:  # two steps per configuration; the large recognition model adds time, not coverage
         args.train_size, args.test_size = args.train_size or 32, args.test_size or 16
         args.batch_size, args.num_samples = min(args.batch_size, 16), min(args.num_samples, 4)
         if args.recognition == list(RECOGNITIONS):
             args.recognition = ["factorised", "small"]
-    data = load_dataset(args.mnist, embedded=args.quick)
-    train_images = data["train"].images[: args.train_size]
-    test_images = data["test"].images[: args.test_size]
+    smoke = report.smoke_run_note(args, "untrained models (a couple of steps on a few images)")
+    if smoke:
+        print(smoke)
+    dataset = load_dataset(args.mnist, embedded=args.quick)
+    train_images = dataset["train"].images[: args.train_size]
+    test_images = dataset["test"].images[: args.test_size]
+    data = (f"{dataset.source}: {len(train_images)} training and {len(test_images)} test images "
+            f"of {train_images.shape[-1]} pixels")
+    report.print_data(data)
     configs = [
         TrainConfig(recognition, objective, None if vr == "none" else vr, args.num_samples, args.epochs,
                     args.batch_size, device=args.device, seed=args.seed)
         for recognition in args.recognition for objective in args.objectives for vr in args.variance_reductions
     ]
     if args.devices:  # the first TMC configuration of the grid
-        return _run_data_parallel(next((c for c in configs if c.objective == "tmc"), configs[0]), train_images, args)
-    print(f"VAE grid: {len(configs)} configurations, {len(train_images)} training and {len(test_images)} "
-          f"test images of {train_images.shape[-1]} pixels, K={args.num_samples}, {args.epochs} epoch(s)")
+        config = next((c for c in configs if c.objective == "tmc"), configs[0])
+        return _run_data_parallel(config, train_images, args, out, files, data, smoke)
+    print(f"VAE grid: {len(configs)} configurations, K={args.num_samples}, {args.epochs} epoch(s) "
+          f"of batches of {args.batch_size}")
     rows = run_grid(configs, train_images, test_images, args.num_samples)
-    out = report.output_dir(args.out)
     report.write_csv(rows, f"{out}/vae.csv")
     columns = ["recognition", "trained with", "variance reduction", "train bound", "test IWAE", "test TMC",
                "s/epoch", "note"]
     print(report.format_table(rows, columns, floats="{:.2f}"))
+    report.print_notes([
+        "train bound: the training bound per image, mean over the last epoch; test IWAE / test TMC: "
+        f"the bound per test image under IWAE / TMC with K={args.num_samples} (one draw, no ±).",
+        "s/epoch: seconds per epoch, from the mean step time after the first step "
+        "(warm-up: excluded, in vae.csv as 'first step s').",
+        "Blank: a skipped configuration (the reason in 'note')." if any(row["note"] for row in rows) else None,
+        smoke,
+    ])
     plots.vae_figures(rows, out)
+    report.finish(args, out, files, data)
     return rows

@@ -10,7 +10,6 @@ from pyro.poutine.util import prune_subsample_sites
 from pyro.util import warn_if_nan
 
 from .base import DifferentiableLossELBO
-from ..factors import check_variance_reduction
 from ..poutine.tmc_messenger import check_num_samples
 from .path_gradients import path_surrogate, with_leaf_values
 
@@ -51,7 +50,11 @@ class IWAE_ELBO(DifferentiableLossELBO):
         **kwargs,
     ) -> None:
         self.num_samples = check_num_samples(num_samples, "IWAE_ELBO")
-        self.variance_reduction = check_variance_reduction(variance_reduction)
+        if variance_reduction not in (None, "stl", "dregs"):
+            raise ValueError(
+                f"Unknown variance_reduction {variance_reduction!r}: expected None, 'stl' or 'dregs'."
+            )
+        self.variance_reduction = variance_reduction
         super().__init__(num_particles=num_particles, max_plate_nesting=max_plate_nesting, **kwargs)
         self.vectorize_particles = vectorize_particles
 

@@ -28,15 +28,7 @@ from pyro.distributions import Categorical, Empirical
 from pyro.poutine import Trace
 
 from ..contraction import contract_log_factors
-from ..factors import (
-    compute_log_factors,
-    contract_estimate,
-    guide_only_sites,
-    particle_shape,
-    plate_scale_of,
-    plate_scales,
-)
-from .path_gradients import marginal_sources
+from ..factors import guide_only_sites, plate_scales
 
 #: the packed symbol of the draws' batch dim (outside opt_einsum's generated range)
 DRAWS = "\u2203"
@@ -148,8 +140,9 @@ class ParticleMarginal(Empirical):
         return self._weighted_mean(deviation.pow(2))
 
 
-def compute_marginals(model_trace: Trace, guide_trace: Trace) -> "OrderedDict[str, Empirical]":
+def compute_marginals(draw) -> "OrderedDict[str, Empirical]":
     """
+    :param draw: a :class:`~pyro_tmc.infer.draw.TMCDraw`.
     :returns: for every latent site, its particles weighted by their posterior
         marginal weight, as an :class:`~pyro.distributions.Empirical` batched over
         the site's plates. A Delta site (AutoDelta, AutoNormal) gives the values
@@ -157,19 +150,18 @@ def compute_marginals(model_trace: Trace, guide_trace: Trace) -> "OrderedDict[st
         auxiliary site), with that site's weights; one that varies with several
         sites' particles is left out.
     """
-    sites = particle_sites(model_trace, guide_trace)
-    sources = marginal_sources(sites, particle_shape)
-    grads = []
+    model_trace = draw.model_trace
+    sites = particle_sites(model_trace, draw.guide_trace)
+    sources = draw.sources([site["name"] for site in sites])
+    all_weights = {}
     if sources:
         with torch.enable_grad():
-            factors = compute_log_factors(model_trace, guide_trace, sources)
-            log_p = contract_estimate(factors, model_trace)
-            grads = torch.autograd.grad(log_p, list(sources.values()), allow_unused=True)
+            all_weights = draw.marginal_weights(draw.log_estimate(sources), sources, retain_graph=False)
     log_weights_of = {}  # particle symbol -> (owner site, plates + (K,) log weights)
     marginals = OrderedDict()
-    for site, grad in zip(sites, grads):
+    for site in sites:
         name = site["name"]
-        weights = torch.zeros_like(sources[name]) if grad is None else grad / plate_scale_of(site, model_trace)
+        weights = all_weights[name]
         log_weights = _particles_last(site, weights.clamp(min=0).log(), 0)
         symbol = site["infer"]["_dim_to_symbol"][site["infer"]["_enumerate_dim"]]
         log_weights_of[symbol] = log_weights
@@ -227,18 +219,21 @@ def _aligned(term: torch.Tensor, dims: List[str], sizes: Dict[str, int], expand_
     return tensor.expand(shape)
 
 
-def sample_posterior(model_trace: Trace, guide_trace: Trace, num_draws: int) -> Dict[str, torch.Tensor]:
+def sample_posterior(draw, num_draws: int) -> Dict[str, torch.Tensor]:
     """
     Exact joint draws of particle combinations from the posterior of one TMC draw.
+
+    :param draw: a :class:`~pyro_tmc.infer.draw.TMCDraw`.
 
     :returns: model site name -> its values in each draw, shape ``(num_draws,) +``
         the site's plate and event shape. A Delta site's values are those at the
         drawn particles of the sites it was computed from.
     """
+    model_trace, guide_trace = draw.model_trace, draw.guide_trace
     scales = dict(plate_scales(model_trace))
     scales[DRAWS] = 1.0
     with torch.no_grad():
-        factors = [f.tensor for f in compute_log_factors(model_trace, guide_trace)]
+        factors = [f.tensor for f in draw.factors()]
     draws, indices = {}, {}
     for site in particle_sites(model_trace, guide_trace):
         symbol = site["infer"]["_dim_to_symbol"][site["infer"]["_enumerate_dim"]]

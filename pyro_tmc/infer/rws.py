@@ -1,20 +1,9 @@
 """Reweighted wake-sleep on the TMC posterior (Bornschein & Bengio 2015; Le et al. 2019)."""
 
-import torch
+from typing import Optional
 
-from ..factors import latent_site, particle_shape
-from ..proposals import proposal_log_prob
-from .path_gradients import marginal_sources, with_leaf_values
+from .estimators import make_estimator
 from .tmc_elbo import TMC_ELBO
-
-
-def sampled_guide_sites(guide_trace):
-    """Names of the guide's latent sites that drew particles."""
-    return [
-        name
-        for name, site in guide_trace.nodes.items()
-        if site["type"] == "sample" and not site["is_observed"] and "_tmc_draw" in site["infer"]
-    ]
 
 
 class TMC_RWS(TMC_ELBO):
@@ -32,8 +21,10 @@ class TMC_RWS(TMC_ELBO):
       ``E_{p(z|x)}[log q(z)]``: minimising ``KL(p(z|x) || q(z))``.
 
     The loss's value is ``-log P_TMC``, as for :class:`TMC_ELBO`; its gradient is
-    the sum of the two updates (model and guide parameters are disjoint).
-    Arguments are those of :class:`TMC_ELBO`, without ``variance_reduction``.
+    the sum of the two updates (model and guide parameters are disjoint). It is
+    :class:`TMC_ELBO` with the ``"rws"`` estimator
+    (:class:`~pyro_tmc.infer.estimators.WakeSleep`); arguments are
+    :class:`TMC_ELBO`'s, except ``variance_reduction``.
 
     References
 
@@ -46,40 +37,14 @@ class TMC_RWS(TMC_ELBO):
     def __init__(self, num_samples: int = 8, max_plate_nesting: float = float("inf"),
                  proposal: str = "mixture", num_particles: int = 1,
                  vectorize_particles: bool = False, **kwargs) -> None:
+        if "variance_reduction" in kwargs:
+            raise ValueError(
+                "TMC_RWS takes no variance_reduction: its guide gradient is the wake-phi update. "
+                "Use TMC_ELBO(variance_reduction=...) for STL or DReGs."
+            )
         super().__init__(num_samples=num_samples, max_plate_nesting=max_plate_nesting,
                          proposal=proposal, num_particles=num_particles,
                          vectorize_particles=vectorize_particles, **kwargs)
 
-    def _wake_surrogate(self, model, guide, args, kwargs) -> torch.Tensor:
-        drawn = self._run_guide(guide, args, kwargs)
-        names = sampled_guide_sites(drawn)
-        fixed, _ = with_leaf_values(drawn, names, requires_grad=False)
-        guide_trace = self._replay_guide(guide, fixed, args, kwargs)
-        model_trace = self._run_model(model, guide_trace, args, kwargs)
-        model_trace, guide_trace = self._finish(model_trace, guide_trace)
-
-        sites = [latent_site(name, model_trace, guide_trace) for name in names]
-        sources = marginal_sources(sites, particle_shape)
-        wake_theta = self._log_estimate(model_trace, guide_trace, sources, detach_guide_proposals=True)
-        # d log P / d source = the marginal weights, times the plate's subsampling scale,
-        # which is the scale the guide's log-density terms need too.
-        scaled_marginals = torch.autograd.grad(wake_theta, list(sources.values()), retain_graph=True)
-        wake_phi = 0.0
-        for name, weight in zip(names, scaled_marginals):
-            site = guide_trace.nodes[name]
-            log_q = proposal_log_prob(site["fn"], site["value"], site["infer"]["_tmc_draw"])
-            wake_phi = wake_phi + (weight.detach() * log_q).sum()
-        return wake_theta + wake_phi - wake_phi.detach()
-
-    def differentiable_loss(self, model, guide, *args, **kwargs) -> torch.Tensor:
-        """
-        :returns: ``-log P_TMC`` (averaged over ``num_particles``) whose gradient is
-            the wake-theta update for the model and the wake-phi update for the guide.
-        """
-        if not torch.is_grad_enabled():
-            return super().differentiable_loss(model, guide, *args, **kwargs)
-        model, guide, repeats = self._vectorized(model, guide, args, kwargs)
-        total = 0.0
-        for _ in range(repeats):
-            total = total + self._wake_surrogate(model, guide, args, kwargs)
-        return -total / self.num_particles
+    def _make_estimator(self, variance_reduction: Optional[str]):
+        return make_estimator("rws")

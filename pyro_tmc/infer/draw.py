@@ -1,0 +1,308 @@
+"""One TMC draw: the guide and model run under ``tmc``, and everything read from them.
+
+Every loss and read-out of the package is a short composition over a
+:class:`TMCDraw`:
+
+- :class:`~pyro_tmc.TMC_ELBO` takes ``draw.log_estimate()`` (or a gradient
+  estimator's surrogate built from it, :mod:`pyro_tmc.infer.estimators`);
+- :class:`~pyro_tmc.TMC_RWS` the wake-sleep surrogate built from it;
+- ``compute_marginals`` and ``sample_posterior`` read the posterior of the same
+  draw (:mod:`pyro_tmc.infer.posterior`).
+
+A draw is made by :meth:`TMCDraw.run`: the guide runs under ``tmc`` (each latent
+gets K particles), optionally its particles are replaced by detached leaves and
+the guide replayed on them (for the path-gradient and wake-sleep estimators,
+which need d log P / d z), then the model runs against those particles. The
+traces are pruned, checked and symbolised once; the factors are computed on
+demand, with optional *sources* (zero tensors whose gradient is each site's
+posterior marginal).
+"""
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
+
+import pyro.poutine as poutine
+import torch
+from pyro.infer.util import is_validation_enabled
+from pyro.poutine import Trace
+from pyro.poutine.util import prune_subsample_sites
+from pyro.util import check_model_guide_match, check_traceenum_requirements
+
+from ..factors import (
+    LogFactor,
+    check_finite,
+    check_plate_dependencies,
+    check_site_shapes,
+    compute_log_factors,
+    contract_estimate,
+    is_summed_exactly,
+    latent_site,
+    particle_shape,
+    plate_scale_of,
+    symbolize,
+)
+from ..poutine import TMCMessenger
+from .path_gradients import marginal_sources, with_leaf_values
+
+
+@dataclass
+class DrawSettings:
+    """
+    How a draw is made.
+
+    :param int num_samples: K for every latent site that does not set its own.
+    :param proposal: the proposal strategy (name or :class:`~pyro_tmc.proposals.ProposalStrategy`).
+    :param int max_plate_nesting: plate dims right of the particle dims.
+    :param int max_factor_bytes: a memory budget per log factor, or ``None``.
+    """
+
+    num_samples: int
+    proposal: object
+    max_plate_nesting: int
+    max_factor_bytes: Optional[int] = None
+
+    def max_factor_elements(self) -> Optional[int]:
+        if self.max_factor_bytes is None:
+            return None
+        return self.max_factor_bytes // (torch.finfo(torch.get_default_dtype()).bits // 8)
+
+
+@dataclass
+class TMCDraw:
+    """
+    One draw of particles for every latent site, and the traces that hold them.
+
+    :param Trace model_trace: the model run against the guide's particles,
+        pruned and symbolised.
+    :param Trace guide_trace: the guide run under ``tmc`` (replayed on the leaves,
+        when there are leaves).
+    :param DrawSettings settings: how it was made.
+    :param Trace live_trace: the guide's trace as drawn, differentiable in its
+        parameters, when the particles were replaced by leaves; else ``None``.
+    :param dict leaves: site name -> the detached leaf tensor that replaced its particles.
+    """
+
+    model_trace: Trace
+    guide_trace: Trace
+    settings: DrawSettings
+    live_trace: Optional[Trace] = None
+    leaves: Dict[str, torch.Tensor] = field(default_factory=dict)
+
+    # -- making one ------------------------------------------------------------
+
+    @classmethod
+    def run(
+        cls,
+        model: Callable,
+        guide: Callable,
+        args: tuple,
+        kwargs: dict,
+        settings: DrawSettings,
+        leaf_sites: Optional[Callable[[Trace], List[str]]] = None,
+        leaves_require_grad: bool = True,
+    ) -> "TMCDraw":
+        """
+        Run the guide under ``tmc``, then the model against its particles.
+
+        :param leaf_sites: if given, ``live guide trace -> names`` of sites whose
+            particles are replaced by detached leaves before the model runs.
+        :param bool leaves_require_grad: whether those leaves require grad.
+        """
+        guide_trace = run_guide(guide, args, kwargs, settings)
+        live_trace, leaves = None, {}
+        if leaf_sites is not None:
+            live_trace = guide_trace
+            leaf_trace, leaves = with_leaf_values(live_trace, leaf_sites(live_trace), leaves_require_grad)
+            guide_trace = replay_guide(guide, leaf_trace, args, kwargs, settings)
+        model_trace = run_model(model, guide_trace, args, kwargs, settings)
+        model_trace, guide_trace = finish(model_trace, guide_trace, settings.max_plate_nesting)
+        return cls(model_trace, guide_trace, settings, live_trace, leaves)
+
+    # -- what it holds -----------------------------------------------------------
+
+    def site(self, name: str) -> dict:
+        """The model's site ``name``, or the guide's when only the guide has it (an auxiliary latent)."""
+        return latent_site(name, self.model_trace, self.guide_trace)
+
+    def sources(self, names: List[str]) -> Dict[str, torch.Tensor]:
+        """Zero tensors over each named site's particles (see :meth:`marginal_weights`)."""
+        return marginal_sources([self.site(name) for name in names], particle_shape)
+
+    def factors(
+        self, sources: Optional[Dict[str, torch.Tensor]] = None, detach_guide_proposals: bool = False
+    ) -> List[LogFactor]:
+        """The packed log factors of every site (:func:`pyro_tmc.factors.compute_log_factors`)."""
+        return compute_log_factors(
+            self.model_trace,
+            self.guide_trace,
+            sources,
+            detach_guide_proposals,
+            self.settings.max_factor_elements(),
+        )
+
+    # -- the estimate --------------------------------------------------------------
+
+    def log_estimate(
+        self, sources: Optional[Dict[str, torch.Tensor]] = None, detach_guide_proposals: bool = False
+    ) -> torch.Tensor:
+        """
+        ``log P_TMC`` of this draw.
+
+        :param dict sources: site name -> zero tensor added to that site's factor.
+        :param bool detach_guide_proposals: stop the gradient through the guide's density.
+        :raises ValueError: naming the site, if the estimate is not finite.
+        """
+        factors = self.factors(sources, detach_guide_proposals)
+        estimate = contract_estimate(factors, self.model_trace)
+        check_finite(factors, estimate)
+        return estimate
+
+    def marginal_weights(
+        self, log_estimate: torch.Tensor, sources: Dict[str, torch.Tensor], retain_graph: bool = True
+    ) -> Dict[str, torch.Tensor]:
+        """
+        Each source's site's posterior marginal weights (per particle and plate
+        element), by the autodiff identity: d log P / d source divided by what
+        scales the site's factor from outside (subsampling, poutine.scale).
+
+        :param log_estimate: :meth:`log_estimate` computed with ``sources``.
+        """
+        grads = torch.autograd.grad(log_estimate, list(sources.values()), allow_unused=True, retain_graph=retain_graph)
+        weights = {}
+        for (name, source), grad in zip(sources.items(), grads):
+            grad = torch.zeros_like(source) if grad is None else grad
+            weights[name] = grad / plate_scale_of(self.site(name), self.model_trace)
+        return weights
+
+    # -- the posterior ---------------------------------------------------------------
+
+    def marginals(self):
+        """:func:`pyro_tmc.infer.posterior.compute_marginals` of this draw."""
+        from . import posterior
+
+        return posterior.compute_marginals(self)
+
+    def sample(self, num_draws: int) -> Dict[str, torch.Tensor]:
+        """:func:`pyro_tmc.infer.posterior.sample_posterior` of this draw."""
+        from . import posterior
+
+        return posterior.sample_posterior(self, num_draws)
+
+
+# -- running guide and model ---------------------------------------------------------
+
+
+def latent_site_names(trace: Trace) -> List[str]:
+    """Names of the unobserved sample sites of a trace."""
+    return [name for name, site in trace.nodes.items() if site["type"] == "sample" and not site["is_observed"]]
+
+
+def run_guide(guide, args, kwargs, settings: DrawSettings) -> Trace:
+    """The guide under ``tmc``: K particles for every latent site, dims left of the plates."""
+    messenger = TMCMessenger(
+        settings.num_samples, settings.proposal, first_available_dim=-1 - settings.max_plate_nesting
+    )
+    guide_trace = run_with_shape_hint(messenger, "guide", poutine.trace(messenger(guide)).get_trace, args, kwargs)
+    warn_about_summed_guide_sites(guide_trace)
+    return guide_trace
+
+
+def replay_guide(guide, leaf_trace: Trace, args, kwargs, settings: DrawSettings) -> Trace:
+    """
+    The guide replayed on ``leaf_trace``'s particles, continuing the dim
+    allocation, so that the Delta sites it recomputes keep their particle dims.
+    """
+    messenger = TMCMessenger(
+        settings.num_samples,
+        settings.proposal,
+        replayed_sites=latent_site_names(leaf_trace),
+        continue_allocation=True,
+    )
+    return poutine.trace(poutine.replay(messenger(guide), trace=leaf_trace)).get_trace(*args, **kwargs)
+
+
+def run_model(model, guide_trace: Trace, args, kwargs, settings: DrawSettings) -> Trace:
+    """The model against the guide's particles (latents it alone has get their own)."""
+    # The model's handler continues the guide's dim allocation, and sits
+    # inside the replay so that it sees the model's own markov scopes.
+    messenger = TMCMessenger(
+        settings.num_samples,
+        settings.proposal,
+        replayed_sites=latent_site_names(guide_trace),
+        continue_allocation=True,
+    )
+    run = poutine.trace(poutine.replay(messenger(model), trace=guide_trace)).get_trace
+    return run_with_shape_hint(messenger, "model", run, args, kwargs)
+
+
+def finish(model_trace: Trace, guide_trace: Trace, max_plate_nesting) -> tuple:
+    """Validate (as ``TraceEnum_ELBO`` does), prune subsample sites, symbolise, check plate dependencies."""
+    if is_validation_enabled():
+        check_model_guide_shapes_match(model_trace, guide_trace, max_plate_nesting)
+        check_traceenum_requirements(model_trace, guide_trace)
+    guide_trace = prune_subsample_sites(guide_trace)
+    model_trace = prune_subsample_sites(model_trace)
+    if is_validation_enabled():
+        check_site_shapes(model_trace, guide_trace, max_plate_nesting)
+    symbolize(model_trace, guide_trace)
+    check_plate_dependencies(model_trace, guide_trace)
+    return model_trace, guide_trace
+
+
+def run_with_shape_hint(messenger: TMCMessenger, role: str, run, args, kwargs) -> Trace:
+    """
+    ``run(*args, **kwargs)``; a shape error raised by user code on the particle
+    dims is re-raised, same type, with a hint naming the site and the dims.
+    """
+    try:
+        return run(*args, **kwargs)
+    except (RuntimeError, IndexError, ValueError) as error:
+        if isinstance(error, ValueError) and "shape" not in str(error).lower():
+            raise  # our own errors, and the user's that have nothing to do with shapes
+        try:
+            hinted = type(error)(str(error) + messenger.shape_error_hint(role))
+        except Exception:  # an exception type that takes other arguments
+            raise error
+        raise hinted from error
+
+
+def check_model_guide_shapes_match(model_trace: Trace, guide_trace: Trace, max_plate_nesting) -> None:
+    """
+    :func:`pyro.util.check_model_guide_match`, whose shape comparison trims a
+    shape with a negative start when its event dims outnumber the rest (a
+    Dirichlet transition matrix under AutoNormal carries particle dims on the
+    guide side only) and then reports a false disagreement. We compare the
+    plate and event dims ourselves in that case.
+    """
+    try:
+        check_model_guide_match(model_trace, guide_trace, max_plate_nesting)
+    except ValueError as error:
+        if "shapes disagree" not in str(error):
+            raise
+        for name, guide_site in guide_trace.nodes.items():
+            model_site = model_trace.nodes.get(name)
+            if guide_site["type"] != "sample" or model_site is None or model_site["type"] != "sample":
+                continue
+            kept = int(max_plate_nesting) + model_site["fn"].event_dim
+            model_shape = tuple(model_site["fn"].shape())[-kept:] if kept else ()
+            guide_shape = tuple(guide_site["fn"].shape())[-kept:] if kept else ()
+            width = max(len(model_shape), len(guide_shape))
+            if (1,) * (width - len(model_shape)) + model_shape != (1,) * (width - len(guide_shape)) + guide_shape:
+                raise ValueError(
+                    f"Model and guide shapes disagree at site '{name}': {model_shape} vs {guide_shape}"
+                ) from error
+
+
+def warn_about_summed_guide_sites(guide_trace: Trace) -> None:
+    """Warn, naming the site, where a guide site marked for enumeration is summed exactly."""
+    for name, site in guide_trace.nodes.items():
+        if site["type"] == "sample" and not site["is_observed"] and is_summed_exactly(site):
+            warnings.warn(
+                f"Guide site '{name}' is marked infer={{'enumerate': 'parallel'}}: TMC_ELBO sums it "
+                "exactly over its support, where the guide's probabilities cancel "
+                "(sum_z q(z) p(x, z) / q(z) = sum_z p(x, z)), so the estimate is exact in this site "
+                "and the guide's parameters for it get no gradient. Drop the flag, or set "
+                "infer={'num_samples': K}, to sample it from the guide instead.",
+                UserWarning,
+            )
