@@ -46,7 +46,8 @@ EPILOG = ("Each experiment writes to results/<name>/ under the current directory
 
 def demo(args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)
-    print(f"Toy model (Aitchison 2019): N={args.num_data}, {args.repeats} draws per bound, device={args.device}")
+    print(f"Toy model (Aitchison 2019): N={args.num_data}, {args.repeats} draws per bound, "
+          f"device={args.device}")
     print("data: drawn from the model itself (data seed 0); exact log p(x) in closed form")
     rows = toy.bounds_table(args.num_data, args.ks, args.repeats, args.device)
     print(toy.format_table(rows))
@@ -59,10 +60,12 @@ def demo(args: argparse.Namespace) -> None:
 
 
 def _demo_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--num-data", type=int, default=128, help="N, the number of data points (default: %(default)s)")
+    parser.add_argument("--num-data", type=int, default=128,
+                        help="N, the number of data points (default: %(default)s)")
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 4, 16, 64, 256],
                         help="particle counts K (default: %(default)s)")
-    parser.add_argument("--repeats", type=int, default=10, help="independent draws per bound (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=10,
+                        help="independent draws per bound (default: %(default)s)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
     report.add_threads_argument(parser)
@@ -70,10 +73,11 @@ def _demo_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(argv: Optional[List[str]] = None) -> None:
     """:param argv: the arguments; with no experiment named, the demo runs."""
-    parser = argparse.ArgumentParser(prog="python -m pyro_tmc", description="Tensor Monte Carlo (Aitchison 2019).",
-                                     epilog=EPILOG)
+    parser = argparse.ArgumentParser(prog="python -m pyro_tmc", epilog=EPILOG,
+                                     description="Tensor Monte Carlo (Aitchison 2019).")
     commands = parser.add_subparsers(dest="command")
-    _demo_arguments(commands.add_parser("demo", help="TMC and IWAE bounds on the toy model (the default; seconds)"))
+    demo_help = "TMC and IWAE bounds on the toy model (the default; seconds)"
+    _demo_arguments(commands.add_parser("demo", help=demo_help))
     for name, module in EXPERIMENTS.items():
         sub = commands.add_parser(name, help=HELP[name], description=module.__doc__)
         sub.formatter_class = argparse.RawDescriptionHelpFormatter

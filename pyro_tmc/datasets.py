@@ -112,7 +112,9 @@ def _sklearn_digits() -> Tuple[torch.Tensor, torch.Tensor]:
     return torch.as_tensor(digits.data, dtype=torch.float32) / 17.0, torch.as_tensor(digits.target)
 
 
-def _synthetic_digits(num_images: int = 3000, side: int = 28, seed: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+def _synthetic_digits(
+    num_images: int = 3000, side: int = 28, seed: int = 0
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """Ten random prototypes of blurred strokes; each image is a prototype with its pixels jittered."""
     generator = torch.Generator().manual_seed(seed)
     ramp = torch.linspace(-1.0, 1.0, side)

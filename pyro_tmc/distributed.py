@@ -69,6 +69,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 import torch
+
 import pyro
 from pyro.infer.elbo import ELBO, ELBOModule
 

@@ -20,31 +20,132 @@ proposals"). Given all upstream particles, particle ``k`` is distributed as
 
 Each strategy's density is exactly that conditional, so every term of the TMC
 average is an unbiased importance weight.
+
+Strategies are classes registered by name (:data:`PROPOSALS`). To add one,
+subclass :class:`ProposalStrategy` (how ancestors are chosen, and the density
+of a particle given all upstream particles) and decorate it with
+``@register_proposal("name")``; ``TMC_ELBO(proposal="name")`` then uses it.
 """
 
 import math
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple, Type
 
 import torch
-from torch.distributions import Distribution, Independent
+from pyro.distributions.torch_distribution import ExpandedDistribution, MaskedDistribution
+from torch.distributions import (
+    Distribution,
+    Independent,
+    LowRankMultivariateNormal,
+    MultivariateNormal,
+    TransformedDistribution,
+)
 
 from . import log_density
 
-PROPOSALS = ("mixture", "permutation", "diagonal")
+#: name -> proposal strategy class
+PROPOSALS: Dict[str, Type["ProposalStrategy"]] = {}
+
+
+def register_proposal(name: str) -> Callable[[type], type]:
+    """Class decorator: make a proposal strategy available under ``name``."""
+
+    def register(cls: type) -> type:
+        cls.name = name
+        PROPOSALS[name] = cls
+        return cls
+
+    return register
 
 
 def check_proposal(proposal: str) -> str:
     """
     :param str proposal: a proposal strategy name.
-    :returns: ``proposal``, if it is one of :data:`PROPOSALS`.
-    :raises ValueError: otherwise.
+    :returns: ``proposal``, if it is registered in :data:`PROPOSALS`.
+    :raises ValueError: otherwise, listing the names.
     """
     if proposal not in PROPOSALS:
         raise ValueError(
             f"Unknown proposal {proposal!r}: expected one of {', '.join(map(repr, PROPOSALS))}."
         )
     return proposal
+
+
+def get_proposal(proposal) -> "ProposalStrategy":
+    """The strategy object for a name (or the object itself)."""
+    if isinstance(proposal, ProposalStrategy):
+        return proposal
+    return PROPOSALS[check_proposal(proposal)]()
+
+
+class ProposalStrategy:
+    """
+    How a site whose distribution depends on upstream particles draws its own
+    K particles, and the density of each, indexed by the particle alone.
+    """
+
+    name: str = ""
+    #: whether every upstream latent must have as many particles as this site
+    needs_equal_num_samples = False
+
+    def choose(self, num_parent: int, shape: Tuple[int, ...], device) -> torch.Tensor:
+        """Ancestor indices (into a parent's ``num_parent`` particles) of the given shape, K leftmost."""
+        raise NotImplementedError
+
+    def log_prob(self, fn: Distribution, value: torch.Tensor, draw: "ParticleDraw") -> torch.Tensor:
+        """The log density of each particle given every upstream particle, indexed by the particle."""
+        raise NotImplementedError
+
+
+@register_proposal("mixture")
+class Mixture(ProposalStrategy):
+    """Each particle picks every ancestor uniformly at random; its density is the mixture over them."""
+
+    def choose(self, num_parent, shape, device):
+        return torch.randint(num_parent, shape, device=device)
+
+    def log_prob(self, fn, value, draw):
+        log_q = log_density.log_prob(fn, value)
+        dims = [d for d in draw.parent_dims if -d <= log_q.dim() and log_q.shape[d] > 1]
+        if not dims:
+            return log_q
+        num_components = math.prod(log_q.shape[d] for d in dims)
+        return torch.logsumexp(log_q, dim=dims, keepdim=True) - math.log(num_components)
+
+
+@register_proposal("permutation")
+class Permutation(Mixture):
+    """
+    The ancestors are a random permutation (per plate element), so every
+    upstream particle is used once; each particle's marginal is still the mixture.
+    """
+
+    needs_equal_num_samples = True
+
+    def choose(self, num_parent, shape, device):
+        return torch.rand(shape, device=device).argsort(0)
+
+
+@register_proposal("diagonal")
+class Diagonal(ProposalStrategy):
+    """Particle k uses upstream particle k; its density is the conditional given it."""
+
+    needs_equal_num_samples = True
+
+    def choose(self, num_parent, shape, device):
+        return torch.arange(num_parent, device=device).reshape((num_parent,) + (1,) * (len(shape) - 1))
+
+    def log_prob(self, fn, value, draw):
+        # Reuse the indexed copy made for drawing, unless ``fn`` was recomputed
+        # (from other parent values, as the path-gradient estimators do).
+        thin_fn = draw.thin_fn if fn is draw.source_fn else index_parameters(fn, draw.ancestors, draw.target_dim)
+        if thin_fn is not None:
+            return thin_fn.log_prob(value)
+        log_q = fn.log_prob(value)
+        picks = {d: draw.ancestors[d] for d in draw.parent_dims}
+        picks[draw.target_dim] = _particle_index(draw.num_particles, draw.target_dim, value.device)
+        picks = {d: p for d, p in picks.items() if -d <= log_q.dim()}
+        return _select_particles(log_q, log_q.dim(), picks, draw.target_dim)
 
 
 @dataclass
@@ -54,7 +155,7 @@ class ParticleDraw:
     so that the factors can evaluate the proposal density indexed by ``k`` alone.
 
     :param int num_particles: K, the number of particles of this site.
-    :param str strategy: the proposal strategy used for the parent dims.
+    :param ProposalStrategy strategy: the proposal strategy used for the parent dims.
     :param tuple parent_dims: the upstream particle dims (negative, relative to the
         right of the site's batch shape) on which the site's distribution depends.
     :param bool thin: whether the particles were drawn from the distribution
@@ -67,7 +168,7 @@ class ParticleDraw:
     """
 
     num_particles: int
-    strategy: str
+    strategy: ProposalStrategy
     parent_dims: Tuple[int, ...]
     thin: bool
     ancestors: Dict[int, torch.Tensor]
@@ -79,7 +180,7 @@ class ParticleDraw:
 
 def choose_ancestors(
     site_name: str,
-    strategy: str,
+    strategy: ProposalStrategy,
     parent_sizes: Dict[int, int],
     num_particles: int,
     device: torch.device,
@@ -93,28 +194,20 @@ def choose_ancestors(
 
     :param tuple element_shape: the site's plate shape, right-aligned at the
         particle dim: each returned tensor has shape ``(K,) + element_shape``.
-    :raises ValueError: if ``"permutation"`` or ``"diagonal"`` meets a parent with
-        another number of particles.
+    :raises ValueError: if the strategy needs equal numbers of particles and a
+        parent has another.
     """
-    if strategy != "mixture":
+    if strategy.needs_equal_num_samples:
         mismatched = {d: s for d, s in parent_sizes.items() if s != num_particles}
         if mismatched:
             raise ValueError(
                 f"Site '{site_name}' draws {num_particles} particles with "
-                f"proposal={strategy!r}, which needs every upstream latent to have the "
+                f"proposal={strategy.name!r}, which needs every upstream latent to have the "
                 f"same number, but its parents have {sorted(mismatched.values())}. "
                 "Use proposal='mixture', or give the site and its parents equal num_samples."
             )
     shape = (num_particles,) + tuple(element_shape)
-    ancestors = {}
-    for dim, size in parent_sizes.items():
-        if strategy == "mixture":
-            ancestors[dim] = torch.randint(size, shape, device=device)
-        elif strategy == "permutation":  # an independent permutation per plate element
-            ancestors[dim] = torch.rand(shape, device=device).argsort(0)
-        else:
-            ancestors[dim] = torch.arange(size, device=device).reshape((size,) + (1,) * len(element_shape))
-    return ancestors
+    return {dim: strategy.choose(size, shape, device) for dim, size in parent_sizes.items()}
 
 
 def _particle_index(num: int, target_dim: int, device) -> torch.Tensor:
@@ -150,38 +243,60 @@ def _select_particles(
     return x[tuple(index)]
 
 
-def _index_params(
+def constructor_parameters(fn: Distribution) -> Optional[Dict[str, torch.Tensor]]:
+    """
+    The tensors that rebuild ``fn`` through its constructor, read from its own
+    parameters, or ``None`` where no rule is known (the caller then falls back
+    to drawing without indexing). Rules: a multivariate normal by its Cholesky
+    factor; a distribution with ``probs`` and ``logits`` by its logits (the
+    stabler of the two); any other by its ``arg_constraints``, which for
+    torch's distributions are exactly its constructor's tensor arguments.
+    Wrappers whose construction is not their parameters (masked, expanded,
+    transformed) have no rule.
+    """
+    if isinstance(fn, (MaskedDistribution, ExpandedDistribution, TransformedDistribution)):
+        return None
+    if isinstance(fn, LowRankMultivariateNormal):
+        names = ["loc", "cov_factor", "cov_diag"]
+    elif isinstance(fn, MultivariateNormal):
+        names = ["loc", "scale_tril"]
+    else:
+        names = list(fn.arg_constraints)
+        if "probs" in names and "logits" in names:
+            names.remove("probs")
+    params = {}
+    for name in names:
+        value = getattr(fn, name, None)
+        if isinstance(value, torch.Tensor):
+            params[name] = value
+    return params or None
+
+
+def index_parameters(
     fn: Distribution, picks: Dict[int, torch.Tensor], target_dim: int
 ) -> Optional[Distribution]:
     """
     A distribution whose parameters are ``fn``'s, indexed by :func:`_select_particles`,
-    or ``None`` if ``fn``'s parameters cannot be read generically.
+    or ``None`` if ``fn`` has no rule in :func:`constructor_parameters`.
     """
     if isinstance(fn, Independent):
         shift = fn.reinterpreted_batch_ndims
-        base = _index_params(
+        base = index_parameters(
             fn.base_dist, {d - shift: p.reshape(p.shape + (1,) * shift) for d, p in picks.items()}, target_dim - shift
         )
         return None if base is None else type(fn)(base, shift)  # keeps Pyro's Independent (callable)
-    if type(fn).__name__ in ("MaskedDistribution", "ExpandedDistribution", "TransformedDistribution"):
+    params = constructor_parameters(fn)
+    if params is None:
         return None
     batch_ndim = len(fn.batch_shape)
-    params = {}
-    for name in fn.arg_constraints:
-        value = fn.__dict__.get(name)
-        if not isinstance(value, torch.Tensor):
-            continue
-        if name == "probs" and "logits" in fn.__dict__:
-            continue  # one parametrisation suffices; logits are the stabler one
-        if value.dim() < batch_ndim or any(
-            s not in (1, b) for s, b in zip(value.shape, fn.batch_shape)
-        ):
-            return None
-        params[name] = _select_particles(value, batch_ndim, picks, target_dim)
-    if not params:
-        return None
+    indexed = {}
+    for name, value in params.items():
+        event_ndim = value.dim() - batch_ndim
+        if event_ndim < 0 or any(s not in (1, b) for s, b in zip(value.shape, fn.batch_shape)):
+            return None  # a parameter that does not carry the batch shape: no rule
+        indexed[name] = _select_particles(value, batch_ndim, picks, target_dim)
     try:
-        return type(fn)(**params, validate_args=False)
+        return type(fn)(**indexed, validate_args=False)
     except (TypeError, ValueError):
         return None
 
@@ -190,7 +305,7 @@ def draw_particles(
     site_name: str,
     fn: Distribution,
     num_particles: int,
-    strategy: str,
+    strategy: ProposalStrategy,
     parent_dims: Tuple[int, ...],
     target_dim: int,
 ) -> Tuple[torch.Tensor, ParticleDraw]:
@@ -201,7 +316,7 @@ def draw_particles(
     :param Distribution fn: the site's distribution; its batch shape may carry
         the upstream particle dims ``parent_dims``.
     :param int num_particles: K.
-    :param str strategy: one of :data:`PROPOSALS`.
+    :param ProposalStrategy strategy: how ancestors are chosen (:data:`PROPOSALS`).
     :param tuple parent_dims: the upstream particle dims of ``fn``'s batch shape.
     :param int target_dim: the (negative) dim that will index the particles.
     :returns: the particles (shape: K at ``target_dim``, plate dims, event shape)
@@ -221,7 +336,7 @@ def draw_particles(
         for d in range(target_dim + 1, 0)
     )
     ancestors = choose_ancestors(site_name, strategy, parent_sizes, num_particles, device, element_shape)
-    thin_fn = _index_params(fn, ancestors, target_dim)
+    thin_fn = index_parameters(fn, ancestors, target_dim)
     if thin_fn is not None:
         value = thin_fn()
     else:
@@ -251,12 +366,12 @@ def _place_particle_dim(value, batch_shape, event_shape, target_dim):
 
 
 def _device_of(fn: Distribution) -> torch.device:
-    for value in vars(fn).values():
-        if isinstance(value, torch.Tensor):
-            return value.device
-        if isinstance(value, Distribution):
-            return _device_of(value)
-    return torch.device("cpu")
+    """Where a distribution's parameters live."""
+    while isinstance(fn, Independent):
+        fn = fn.base_dist
+    for value in (constructor_parameters(fn) or {}).values():
+        return value.device
+    return fn.sample().device  # no parameter rule: ask the distribution
 
 
 def proposal_log_prob(
@@ -273,24 +388,4 @@ def proposal_log_prob(
     """
     if not draw.parent_dims:
         return fn.log_prob(value)
-    if draw.strategy == "diagonal":
-        # Reuse the indexed copy made for drawing, unless ``fn`` was recomputed
-        # (from other parent values, as the path-gradient estimators do).
-        thin_fn = draw.thin_fn if fn is draw.source_fn else _index_params(fn, draw.ancestors, draw.target_dim)
-        if thin_fn is not None:
-            return thin_fn.log_prob(value)
-        log_q = fn.log_prob(value)
-        picks = {d: draw.ancestors[d] for d in draw.parent_dims}
-        picks[draw.target_dim] = _particle_index(draw.num_particles, draw.target_dim, value.device)
-        return _select_particles(log_q, log_q.dim(), _aligned(picks, log_q.dim()), draw.target_dim)
-    # mixture / permutation: average the density over every upstream particle.
-    log_q = log_density.log_prob(fn, value)
-    dims = [d for d in draw.parent_dims if -d <= log_q.dim() and log_q.shape[d] > 1]
-    if not dims:
-        return log_q
-    num_components = math.prod(log_q.shape[d] for d in dims)
-    return torch.logsumexp(log_q, dim=dims, keepdim=True) - math.log(num_components)
-
-
-def _aligned(picks: Dict[int, torch.Tensor], ndim: int) -> Dict[int, torch.Tensor]:
-    return {d: p for d, p in picks.items() if -d <= ndim}
+    return draw.strategy.log_prob(fn, value, draw)

@@ -15,9 +15,10 @@ import math
 from typing import Dict, List, Sequence
 
 import torch
+from tqdm import tqdm
+
 import pyro
 import pyro.distributions as dist
-from tqdm import tqdm
 
 from .. import IWAE_ELBO, TMC_ELBO
 from . import plots, report
@@ -85,7 +86,8 @@ def run(args: argparse.Namespace) -> List[Dict]:
     smoke = report.smoke_run_note(args, f"a chain of {args.length}, {args.repeats} estimates per point")
     if smoke:
         print(smoke)
-    data = f"one observation x={args.x} at the end of a chain of N={args.length} latents; exact log p(x) in closed form"
+    data = (f"one observation x={args.x} at the end of a chain of N={args.length} latents; "
+            "exact log p(x) in closed form")
     report.print_data(data)
     torch.manual_seed(args.seed)
     # float64: with a factorised proposal and small K the log weights reach -1000s,

@@ -15,8 +15,8 @@ import torch
 
 RUN_INFO = "run.json"
 SE_NOTE = "±: the standard error of the mean over {repeats} independent estimates."
-BOUND_NOTE = ("Each estimate is the log of an unbiased estimate of p(x): a lower bound on log p(x) in expectation; "
-              "a single estimate, or the mean of a few, can lie above the exact value.")
+BOUND_NOTE = ("Each estimate is the log of an unbiased estimate of p(x): a lower bound on log p(x) in "
+              "expectation; a single estimate, or the mean of a few, can lie above the exact value.")
 
 
 def add_threads_argument(parser: argparse.ArgumentParser) -> None:
@@ -27,15 +27,20 @@ def add_threads_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def add_common_arguments(parser: argparse.ArgumentParser, name: str) -> None:
-    """The options of every experiment: ``--device``, ``--quick``, ``--out``, ``--overwrite``, ``--seed``, ``--threads``."""
+    """
+    The options of every experiment: ``--device``, ``--quick``, ``--out``, ``--overwrite``, ``--seed``,
+    ``--threads``.
+    """
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
     parser.add_argument("--quick", action="store_true",
-                        help="a smoke run: tiny sizes, seconds; checks that everything runs, its numbers are not results")
+                        help="a smoke run: tiny sizes, seconds; checks that everything runs, "
+                             "its numbers are not results")
     parser.add_argument("--out", default=os.path.join("results", name),
                         help="folder for tables, figures and run.json, relative to the current directory "
                              "(default: %(default)s)")
     parser.add_argument("--overwrite", action="store_true",
-                        help="replace the results of a previous run in --out (without it, such a folder is refused)")
+                        help="replace the results of a previous run in --out "
+                             "(without it, such a folder is refused)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
     add_threads_argument(parser)
 

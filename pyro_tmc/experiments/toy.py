@@ -11,6 +11,7 @@ import math
 from typing import Dict, List, Sequence
 
 import torch
+
 import pyro
 import pyro.distributions as dist
 
@@ -194,7 +195,8 @@ def run(args: argparse.Namespace) -> List[Dict]:
     methods = ["exact", "TMC", "SMC", "IWAE", "TMC ms", "SMC ms", "IWAE ms"]
     print(f"A, B: log p(x) estimates and time vs K at N={args.num_data} ({args.repeats} estimates per point)")
     print(report.format_table(pivot(k_rows, "K"), ["K"] + methods, floats="{:.2f}"))
-    print(f"C, D: log p(x) estimates and time vs N at K={args.num_samples} ({args.repeats} estimates per point)")
+    print(f"C, D: log p(x) estimates and time vs N at K={args.num_samples} "
+          f"({args.repeats} estimates per point)")
     print(report.format_table(pivot(n_rows, "N"), ["N"] + methods, floats="{:.2f}"))
     report.print_notes([
         report.SE_NOTE.format(repeats=args.repeats),

@@ -27,12 +27,13 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.utils.parametrizations import weight_norm
+from tqdm import tqdm
+
 import pyro
 import pyro.distributions as dist
 from pyro.infer import SVI
 from pyro.optim import Adam
-from torch.nn.utils.parametrizations import weight_norm
-from tqdm import tqdm
 
 from .. import IWAE_ELBO, TMC_ELBO
 from ..datasets import load_dataset
@@ -317,7 +318,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--objectives", nargs="+", default=list(OBJECTIVES), choices=OBJECTIVES)
     parser.add_argument("--variance-reductions", nargs="+", default=["none", "stl", "dregs"],
                         choices=["none", "stl", "dregs"])
-    parser.add_argument("--num-samples", type=int, default=20, help="K for training and evaluation (default: %(default)s)")
+    parser.add_argument("--num-samples", type=int, default=20,
+                        help="K for training and evaluation (default: %(default)s)")
     parser.add_argument("--epochs", type=int, default=1, help="training epochs (default: %(default)s)")
     parser.add_argument("--batch-size", type=int, default=100, help="images per step (default: %(default)s)")
     parser.add_argument("--train-size", type=int, default=None, help="use the first n training images")
@@ -381,7 +383,7 @@ def run(args: argparse.Namespace) -> List[Dict]:
         f"the bound per test image under IWAE / TMC with K={args.num_samples} (one draw, no ±).",
         "s/epoch: seconds per epoch, from the mean step time after the first step "
         "(warm-up: excluded, in vae.csv as 'first step s').",
-        "Blank: a skipped configuration (the reason in 'note')." if any(row["note"] for row in rows) else None,
+        "Blank: a skipped configuration (the reason in 'note')." if any(r["note"] for r in rows) else None,
         smoke,
     ])
     plots.vae_figures(rows, out)

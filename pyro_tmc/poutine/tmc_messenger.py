@@ -17,7 +17,7 @@ from pyro.poutine.enum_messenger import EnumMessenger
 from pyro.poutine.handlers import _make_handler
 from pyro.poutine.runtime import _ENUM_ALLOCATOR, Message
 
-from ..proposals import check_proposal, draw_particles
+from ..proposals import draw_particles, get_proposal
 
 #: PyTorch tensors hold at most this many dims; particle dims beyond it cannot exist.
 MAX_TENSOR_DIMS = 64
@@ -133,7 +133,7 @@ class TMCMessenger(EnumMessenger):
         continue_allocation: bool = False,
     ) -> None:
         self.num_samples = check_num_samples(num_samples, "tmc")
-        self.proposal = check_proposal(proposal)
+        self.proposal = get_proposal(proposal)
         if first_available_dim is None and not continue_allocation:
             first_available_dim = -1 - DEFAULT_MAX_PLATE_NESTING
         if first_available_dim is not None and first_available_dim >= 0:
