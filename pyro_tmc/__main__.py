@@ -44,6 +44,16 @@ EPILOG = ("Each experiment writes to results/<name>/ under the current directory
           "Details: python -m pyro_tmc <command> --help.")
 
 
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Each option's default in --help (where it tells something); the docstring as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return text + " (default: %(default)s)"
+
+
 def demo(args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)
     print(f"Toy model (Aitchison 2019): N={args.num_data}, {args.repeats} draws per bound, "
@@ -79,8 +89,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     demo_help = "TMC and IWAE bounds on the toy model (the default; seconds)"
     _demo_arguments(commands.add_parser("demo", help=demo_help))
     for name, module in EXPERIMENTS.items():
-        sub = commands.add_parser(name, help=HELP[name], description=module.__doc__)
-        sub.formatter_class = argparse.RawDescriptionHelpFormatter
+        sub = commands.add_parser(name, help=HELP[name], description=module.__doc__,
+                                  formatter_class=_Formatter)
         module.add_arguments(sub)
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
@@ -95,7 +105,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             demo(args)
         else:
             EXPERIMENTS[args.command].run(args)
-    except FileExistsError as error:  # a previous run's folder, refused before any work
+    except (FileExistsError, FileNotFoundError) as error:  # a previous run's folder; no MNIST to be had
         parser.exit(2, f"python -m pyro_tmc {args.command}: error: {error}\n")
     finally:
         torch.set_num_threads(threads)

@@ -96,21 +96,15 @@ class PlateScaledLogRing(LogRing):
         return super().sumproduct(terms, dims)
 
     def product(self, term, ordinal):
-        dims = term._pyro_dims
+        # Pyro's product, one plate at a time, each scaled by its subsampling scale.
         for dim in sorted(ordinal, reverse=True):
-            pos = dims.find(dim)
-            if pos == -1:
+            if dim not in term._pyro_dims:
                 continue
-            key = "product", self._hash_by_id(term), dim
-            if key in self._cache:
-                term = self._cache[key]
-            else:
-                scale = self._plate_scales.get(dim, 1.0)
-                term = term.sum(pos)
-                if scale != 1.0:
-                    term = term * scale
-                dims = dims.replace(dim, "")
-                self._cache[key] = term
+            term = super().product(term, frozenset(dim))
+            scale = self._plate_scales.get(dim, 1.0)
+            if scale != 1.0:
+                dims = term._pyro_dims
+                term = term * scale
                 term._pyro_dims = dims
         return term
 

@@ -72,7 +72,8 @@ def sweep(x: torch.Tensor, length: int, ks: Sequence[int], repeats: int) -> List
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     report.add_common_arguments(parser, "chain")
     parser.add_argument("--length", type=int, default=100, help="N, the number of latents in the chain")
-    parser.add_argument("--ks", type=int, nargs="+", default=[2, 4, 8, 16, 32, 64, 128, 256])
+    parser.add_argument("--ks", type=int, nargs="+", default=[2, 4, 8, 16, 32, 64, 128, 256],
+                        help="particle counts K")
     parser.add_argument("--repeats", type=int, default=3, help="independent estimates per point")
     parser.add_argument("--x", type=float, default=1.0, help="the observation")
 

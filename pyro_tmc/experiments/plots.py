@@ -1,4 +1,4 @@
-"""Figures of the experiments, drawn from their result rows (the computing lives in toy.py, chain.py, vae.py)."""
+"""Figures of the experiments, drawn from their result rows (the computing is in toy.py, chain.py, vae.py)."""
 
 from typing import Dict, List, Sequence
 
@@ -20,7 +20,10 @@ def _series(rows: Sequence[Dict], method: str, x: str, y: str):
 
 
 def toy_figure(k_rows: Sequence[Dict], n_rows: Sequence[Dict], path: str) -> None:
-    """Paper Fig. 3: bound (A) and time (B) vs K at fixed N; bound per data point (C) and time (D) vs N at fixed K."""
+    """
+    Paper Fig. 3: bound (A) and time (B) vs K at fixed N; bound per data point (C) and time (D)
+    vs N at fixed K.
+    """
     plt = _pyplot()
     fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
     for rows, x, ax_bound, ax_time, per_point in ((k_rows, "K", axes[0], axes[1], False),
@@ -37,7 +40,8 @@ def toy_figure(k_rows: Sequence[Dict], n_rows: Sequence[Dict], path: str) -> Non
             if method != "exact":
                 ax_time.plot(xs, _series(rows, method, x, "seconds")[1], label=method, color=COLOURS[method],
                              marker=".")
-        ax_bound.set(xscale="log", xlabel=x, ylabel="log p(x) per data point" if per_point else "log p(x) estimate")
+        ylabel = "log p(x) per data point" if per_point else "log p(x) estimate"
+        ax_bound.set(xscale="log", xlabel=x, ylabel=ylabel)
         ax_time.set(xscale="log", yscale="log", xlabel=x, ylabel="seconds per estimate")
     for ax, letter in zip(axes, "ABCD"):
         ax.set_title(letter, loc="left", fontweight="bold")
@@ -109,6 +113,7 @@ def _vae_points(rows, recognition: str, objective: str, column: str, reductions:
 def _mean_epoch_times(rows):
     times: Dict[str, List[float]] = {}
     for row in rows:
-        times.setdefault(f"{row['trained with'].upper()} {row['variance reduction']}", []).append(row["s/epoch"])
+        label = f"{row['trained with'].upper()} {row['variance reduction']}"
+        times.setdefault(label, []).append(row["s/epoch"])
     labels = list(times)  # grid order: none, stl, dregs
     return labels, [sum(times[label]) / len(times[label]) for label in labels]

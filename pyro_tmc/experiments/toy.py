@@ -77,8 +77,9 @@ def estimate(method: str, x: torch.Tensor, num_samples: int, repeats: int) -> Di
     """Mean, standard error and seconds per estimate of ``method`` (``"TMC"``, ``"SMC"`` or ``"IWAE"``)."""
     from pyro_tmc import TMC_ELBO
 
+    tmc = TMC_ELBO(num_samples=num_samples, max_plate_nesting=1)
     draws = {
-        "TMC": lambda: TMC_ELBO(num_samples=num_samples, max_plate_nesting=1).log_evidence(model, guide, x).item(),
+        "TMC": lambda: tmc.log_evidence(model, guide, x).item(),
         "SMC": lambda: smc_log_evidence(x, num_samples).item(),
         "IWAE": lambda: iwae_log_evidence(x, num_samples),
     }
@@ -131,7 +132,8 @@ def sweep(panel: str, settings: Sequence[Dict], repeats: int, device: str) -> Li
     rows = []
     for setting in tqdm(settings, desc=f"toy: sweep over {panel}"):
         x = sample_data(setting["N"], device=device)
-        rows.append(dict(panel=panel, method="exact", K=setting["K"], N=setting["N"], mean=exact_log_evidence(x)))
+        exact = exact_log_evidence(x)
+        rows.append(dict(panel=panel, method="exact", K=setting["K"], N=setting["N"], mean=exact))
         for method in setting["methods"]:
             result = estimate(method, x, setting["K"], repeats)
             rows.append(dict(panel=panel, method=method, K=setting["K"], N=setting["N"], **result))
@@ -161,11 +163,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     add_common_arguments(parser, "toy")
     parser.add_argument("--num-data", type=int, default=128, help="N for the sweep over K (panels A, B)")
-    parser.add_argument("--ks", type=int, nargs="+", default=[1, 4, 16, 64, 256, 1024], help="K for TMC and SMC")
+    parser.add_argument("--ks", type=int, nargs="+", default=[1, 4, 16, 64, 256, 1024],
+                        help="K for TMC and SMC (default: %(default)s)")
     parser.add_argument("--iwae-ks", type=int, nargs="+", default=[10**4, 10**5, 10**6],
                         help="further K for IWAE alone (chunked joint samples)")
     parser.add_argument("--num-samples", type=int, default=128, help="K for the sweep over N (panels C, D)")
-    parser.add_argument("--ns", type=int, nargs="+", default=[1, 4, 16, 64, 256, 1024], help="N for panels C, D")
+    parser.add_argument("--ns", type=int, nargs="+", default=[1, 4, 16, 64, 256, 1024],
+                        help="N for panels C, D (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=5, help="independent estimates per point")
 
 

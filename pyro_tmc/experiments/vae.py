@@ -234,7 +234,10 @@ def _label(config: TrainConfig) -> str:
 
 def run_grid(configs: Sequence[TrainConfig], train_images: torch.Tensor, test_images: torch.Tensor,
              eval_samples: int) -> List[Dict]:
-    """Train every configuration and evaluate it under both objectives; unsupported ones are rows marked skipped."""
+    """
+    Train every configuration and evaluate it under both objectives; unsupported ones are rows
+    marked skipped, with the reason.
+    """
     rows = []
     for config in tqdm(configs, desc="vae grid"):
         row = {"recognition": config.recognition, "trained with": config.objective,
@@ -314,19 +317,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mnist", default=None,
                         help="the pickled MNIST split (default: $PYRO_TMC_MNIST, else torchvision; "
                              "--quick without either uses the embedded digits)")
-    parser.add_argument("--recognition", nargs="+", default=list(RECOGNITIONS), choices=RECOGNITIONS)
-    parser.add_argument("--objectives", nargs="+", default=list(OBJECTIVES), choices=OBJECTIVES)
+    parser.add_argument("--recognition", nargs="+", default=list(RECOGNITIONS), choices=RECOGNITIONS,
+                        help="recognition models (--quick: factorised and small)")
+    parser.add_argument("--objectives", nargs="+", default=list(OBJECTIVES), choices=OBJECTIVES,
+                        help="training objectives")
     parser.add_argument("--variance-reductions", nargs="+", default=["none", "stl", "dregs"],
-                        choices=["none", "stl", "dregs"])
+                        choices=["none", "stl", "dregs"], help="gradient estimators")
     parser.add_argument("--num-samples", type=int, default=20,
                         help="K for training and evaluation (default: %(default)s)")
     parser.add_argument("--epochs", type=int, default=1, help="training epochs (default: %(default)s)")
     parser.add_argument("--batch-size", type=int, default=100, help="images per step (default: %(default)s)")
-    parser.add_argument("--train-size", type=int, default=None, help="use the first n training images")
-    parser.add_argument("--test-size", type=int, default=None, help="use the first n test images")
+    parser.add_argument("--train-size", type=int, default=None,
+                        help="use the first n training images (default: all; --quick: 32)")
+    parser.add_argument("--test-size", type=int, default=None,
+                        help="use the first n test images (default: all; --quick: 16)")
     parser.add_argument("--devices", type=int, default=None,
                         help="train the first configuration data-parallel across N processes (CPU) or "
-                             "GPUs (--device cuda) with PyTorch Lightning (pip install 'pyro-tmc[distributed]')")
+                             "GPUs (--device cuda) with PyTorch Lightning "
+                             "(pip install 'pyro-tmc[distributed]')")
 
 
 def _run_data_parallel(config: TrainConfig, train_images: torch.Tensor, args: argparse.Namespace,
@@ -366,7 +374,9 @@ def run(args: argparse.Namespace) -> List[Dict]:
     configs = [
         TrainConfig(recognition, objective, None if vr == "none" else vr, args.num_samples, args.epochs,
                     args.batch_size, device=args.device, seed=args.seed)
-        for recognition in args.recognition for objective in args.objectives for vr in args.variance_reductions
+        for recognition in args.recognition
+        for objective in args.objectives
+        for vr in args.variance_reductions
     ]
     if args.devices:  # the first TMC configuration of the grid
         config = next((c for c in configs if c.objective == "tmc"), configs[0])

@@ -6,7 +6,7 @@ import warnings
 import torch
 import pyro
 import pyro.poutine as poutine
-from pyro.poutine.util import prune_subsample_sites
+from pyro.poutine.util import prune_subsample_sites, site_is_subsample
 from pyro.util import warn_if_nan
 
 from .base import DifferentiableLossELBO
@@ -177,7 +177,7 @@ def _log_mean_exp(log_w: torch.Tensor) -> torch.Tensor:
 
 
 def _is_subsample(site) -> bool:
-    return type(site["fn"]).__name__ == "_Subsample"
+    return site_is_subsample(site)
 
 
 def _check_reparameterised(site, where: str) -> None:

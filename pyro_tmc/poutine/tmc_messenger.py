@@ -14,9 +14,9 @@ from pyro.distributions.torch_distribution import (
 )
 from torch.distributions import Independent
 from pyro.poutine.enum_messenger import EnumMessenger
-from pyro.poutine.handlers import _make_handler
-from pyro.poutine.runtime import _ENUM_ALLOCATOR, Message
+from pyro.poutine.runtime import Message
 
+from .._pyro import _ENUM_ALLOCATOR, _make_handler
 from ..proposals import draw_particles, get_proposal
 
 #: PyTorch tensors hold at most this many dims; particle dims beyond it cannot exist.
@@ -154,17 +154,16 @@ class TMCMessenger(EnumMessenger):
         return super().__enter__()
 
     def _record_scope(self, msg: Message) -> Dict[int, int]:
-        """Markov bookkeeping, as EnumMessenger does it: the dims upstream of this site."""
-        scope = msg["infer"].get("_markov_scope")
-        param_dims = _ENUM_ALLOCATOR.dim_to_id.copy()
-        if scope is None:
+        """
+        The dims upstream of this site, from EnumMessenger's own markov
+        bookkeeping (run on a copy of the message that it only records), plus,
+        outside every markov context, the dims last occupied by any value.
+        """
+        probe = dict(msg, done=False, is_observed=True)  # EnumMessenger records, then returns
+        super()._pyro_sample(probe)
+        param_dims = self._param_dims[msg["name"]]
+        if msg["infer"].get("_markov_scope") is None:
             param_dims.update(self._occupants)
-        else:
-            for name, depth in scope.items():
-                if self._markov_depths.get(name) == depth:
-                    param_dims.update(self._value_dims[name])
-            self._markov_depths[msg["name"]] = msg["infer"]["_markov_depth"]
-        self._param_dims[msg["name"]] = param_dims
         return param_dims
 
     def _pyro_sample(self, msg: Message) -> None:
