@@ -284,7 +284,8 @@ def run_case(case: Case, repeats: int, device: str) -> List[str]:
             rows.append(f"| {case.title} | {name} | {case.failed[name]} | - | - |")
             continue
         ratio = seconds[name] / best
-        rows.append(f"| {case.title} | {name} | {1e3 * seconds[name]:.2f} | {case.compile_seconds.get(name, '-')} | {ratio:.2f} |")
+        compile_seconds = case.compile_seconds.get(name, "-")
+        rows.append(f"| {case.title} | {name} | {1e3 * seconds[name]:.2f} | {compile_seconds} | {ratio:.2f} |")
     print("\n".join(rows), flush=True)
     return rows
 
@@ -336,7 +337,8 @@ def main(argv=None) -> None:
 
     header = [
         f"device: {device_name(args.device)} ({args.device}); torch threads: {torch.get_num_threads()}; "
-        f"torch {torch.__version__}; pyro {pyro.__version__}; repeats: {repeats} (medians, interleaved, after 2 warm-up rounds)",
+        f"torch {torch.__version__}; pyro {pyro.__version__}; "
+        f"repeats: {repeats} (medians, interleaved, after 2 warm-up rounds)",
     ]
     compile_startup = None if args.no_compile else warm_compiler(args.device)
     if compile_startup is not None:

@@ -168,7 +168,8 @@ def main(argv=None) -> None:
     for k in ks:
         for n in ns:
             if k * k * n > MAX_FACTOR_ELEMENTS:
-                print(f"\n### toy K={k} N={n}: skipped (K*K*N = {k * k * n:,} > {MAX_FACTOR_ELEMENTS:,} elements)")
+                size = f"K*K*N = {k * k * n:,} > {MAX_FACTOR_ELEMENTS:,} elements"
+                print(f"\n### toy K={k} N={n}: skipped ({size})")
                 continue
             run_case(f"toy K={k} N={n} (forward + backward)", toy_steps(k, n, args.device), repeats,
                      args.device, "hand-written TMC", memory=not args.no_memory)

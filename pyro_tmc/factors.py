@@ -157,7 +157,7 @@ def _proposal_term(q_site, extra_scale, mask, detach: bool) -> torch.Tensor:
     # A masked element contributes log p - log q = 0 for each particle, and the
     # -log K keeps its sum over particles at 1.
     term = scale_and_mask(-log_q, extra_scale, mask)
-    if draw is not None:
+    if draw is not None and not draw.joint:
         term = term - math.log(draw.num_particles)
     return term
 
@@ -275,7 +275,27 @@ def compute_log_factors(
         extra_scale = scale_plan(model_trace).site_scale(name)
         for tensor in guide_site_log_factors(site, extra_scale, sources.get(name), detach_guide_proposals):
             factors.append(LogFactor(name, tensor))
+    joint = joint_samples_factor(model_trace)
+    if joint is not None:
+        factors.append(LogFactor("(joint samples)", joint))
     return factors
+
+
+def joint_samples_factor(model_trace: Trace) -> Optional[torch.Tensor]:
+    """
+    With joint samples (IWAE: every latent on one shared particle dim), the
+    single ``-log K`` of their average, over that dim and no plate, so that the
+    dim is summed outside every plate: ``log 1/K sum_k prod_plates w_k``.
+    """
+    for site in model_trace.nodes.values():
+        draw = site["infer"].get("_tmc_draw") if site["type"] == "sample" else None
+        if draw is not None and draw.joint:
+            symbol = site["infer"]["_dim_to_symbol"][draw.target_dim]
+            value = site["value"]
+            term = torch.full((draw.num_particles,), -math.log(draw.num_particles), dtype=value.dtype if value.is_floating_point() else torch.get_default_dtype(), device=value.device)
+            term._pyro_dims = symbol
+            return term
+    return None
 
 
 def particle_shape(site) -> torch.Size:
@@ -319,7 +339,11 @@ def check_site_shapes(model_trace: Trace, guide_trace: Trace, max_plate_nesting)
             if site["type"] != "sample":
                 continue
             log_prob = torch.empty(_batch_shape(site), device="meta")
-            check_site_shape({**site, "log_prob": log_prob}, max_plate_nesting)
+            infer = site["infer"]
+            draw = infer.get("_tmc_draw")
+            if draw is not None and draw.joint:  # shares its parents' dim by design
+                infer = {k: v for k, v in infer.items() if k != "_enumerate_dim"}
+            check_site_shape({**site, "infer": infer, "log_prob": log_prob}, max_plate_nesting)
 
 
 def check_plate_dependencies(model_trace: Trace, guide_trace: Trace) -> None:
@@ -334,6 +358,9 @@ def check_plate_dependencies(model_trace: Trace, guide_trace: Trace) -> None:
     traces = (guide_trace, model_trace)
     for trace in traces:
         for name, site in trace.nodes.items():
+            draw = site["infer"].get("_tmc_draw") if site["type"] == "sample" else None
+            if draw is not None and draw.joint:
+                continue  # the shared dim of joint samples is summed outside every plate
             if site["type"] == "sample" and "_enumerate_dim" in site["infer"]:
                 symbol = site["infer"]["_dim_to_symbol"][site["infer"]["_enumerate_dim"]]
                 owners[symbol] = (name, _plate_symbols(site, trace))

@@ -176,6 +176,9 @@ class ParticleDraw:
     #: the distribution drawn from and its ancestor-indexed copy, reused while scoring that same distribution
     source_fn: Optional[Distribution] = None
     thin_fn: Optional[Distribution] = None
+    #: drawn on the one particle dim that every latent shares (IWAE's joint
+    #: samples): the -log K is counted once for the whole draw, not per site
+    joint: bool = False
 
 
 def choose_ancestors(
@@ -349,6 +352,20 @@ def draw_particles(
         num_particles, strategy, tuple(parent_dims), thin_fn is not None, ancestors, target_dim, fn, thin_fn
     )
     return value, draw
+
+
+def draw_joint_particles(fn: Distribution, num_particles: int, target_dim: int) -> Tuple[torch.Tensor, ParticleDraw]:
+    """
+    Particles on the dim that every latent shares (IWAE): where the site's
+    distribution already varies along it (its parents' particle k), one draw per
+    k; else ``num_particles`` draws placed there.
+    """
+    batch_shape = fn.batch_shape
+    if len(batch_shape) >= -target_dim and batch_shape[target_dim] > 1:
+        value = fn()
+    else:
+        value = _place_particle_dim(fn(sample_shape=torch.Size([num_particles])), batch_shape, fn.event_shape, target_dim)
+    return value, ParticleDraw(num_particles, None, (), True, {}, target_dim, joint=True)
 
 
 def _place_particle_dim(value, batch_shape, event_shape, target_dim):

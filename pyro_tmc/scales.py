@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Dict, FrozenSet, List, Tuple
 
 import torch
+
 from pyro.poutine import Trace
 
 

@@ -96,6 +96,10 @@ def importance_weight_moment_finite(post_prec, proposal_var, power):
 
 # --------------------------------------------------------------------------- #
 # (a) the paper's toy model: theta ~ N(0,1), z_i ~ N(theta,1), x_i ~ N(z_i,1)
+#
+# pyro_tmc.experiments.toy (and benchmarks/models.py, which imports it) has its own
+# copy of this model.  This one is deliberately independent: the tests check the
+# package against code of their own, never against the package's model code.
 # --------------------------------------------------------------------------- #
 def toy_cov(N):
     """Covariance of x in the toy model: ``2 I + 1 1^T`` (x has mean 0)."""
@@ -125,6 +129,15 @@ def toy_moments(N):
     W[1 : N + 1, 0] = 1.0  # z_i <- theta
     W[N + 1 :, 1 : N + 1] = np.eye(N)  # x_i <- z_i
     return linear_gaussian_moments(W, np.ones(n))
+
+
+def toy_posterior_moments(x):
+    """Exact posterior means and variances of (theta, z_1..z_N) given the toy model's data x."""
+    x = np.asarray(x, dtype=np.float64)
+    N = len(x)
+    mean, cov = toy_moments(N)
+    post_mean, post_cov = gaussian_posterior(x, np.arange(N + 1, 2 * N + 1), mean, cov)
+    return post_mean, np.diag(post_cov)
 
 
 def toy_data(N, seed=0):

@@ -20,7 +20,8 @@ def _packed(tensor, dims):
 
 @pytest.mark.parametrize("seed", range(5))
 def test_fused_contraction_equals_naive_ubersum(seed):
-    """Random factors over sum dims a, b, c and plates i, j (c local to i): against Pyro's brute-force oracle."""
+    """Random factors over sum dims a, b, c and plates i, j (c local to i),
+    against Pyro's brute-force oracle."""
     torch.manual_seed(seed)
     specs = ["a", "ab", "b", "bci", "ci", "ci", "cij", "ai"]
     sizes = {"a": 3, "b": 2, "c": 4, "i": 5, "j": 2}

@@ -88,6 +88,7 @@ def test_ddp_average_gradient_is_full_batch_gradient_in_expectation():
 def test_two_cpu_processes_stay_synchronised_and_learn(tmp_path):
     pytest.importorskip("lightning")
     import lightning.pytorch as pl
+
     from pyro_tmc.distributed import fit_data_parallel
 
     class SaveRank(pl.Callback):

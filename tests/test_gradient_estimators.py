@@ -13,7 +13,11 @@ from pyro.infer import RenyiELBO
 from pyro_tmc import IWAE_ELBO, TMC_ELBO
 from pyro_tmc.experiments.smc import smc_log_evidence
 from pyro_tmc.factors import compute_log_factors
-from pyro_tmc.experiments.toy import exact_log_evidence, sample_data
+
+try:
+    from .models import toy_guide, toy_log_px, toy_model
+except ImportError:
+    from models import toy_guide, toy_log_px, toy_model
 
 # ---------------------------------------------------------------------------
 # Small models with factorised Gaussian guides, written twice: as Pyro programs,
@@ -317,11 +321,11 @@ def test_path_gradients_stable_for_large_k_and_extreme_weights():
         assert torch.isfinite(loss) and torch.isfinite(grad).all()
 
 
-def test_iwae_matches_renyi_alpha_zero():
+def test_iwae_matches_renyi_alpha_zero(toy_x):
     """Means over 300 draws agree within 4 standard errors of their difference."""
     pyro.set_rng_seed(14)
-    x = sample_data(16)
-    from pyro_tmc.experiments.toy import guide, model
+    x = toy_x(16)
+    model, guide = toy_model, toy_guide
 
     ours = torch.stack([IWAE_ELBO(num_samples=8, max_plate_nesting=1).log_evidence(model, guide, x) for _ in range(300)])
     renyi = torch.tensor(
@@ -332,11 +336,11 @@ def test_iwae_matches_renyi_alpha_zero():
     assert abs(ours.mean().item() - renyi.mean().item()) < 4 * se
 
 
-def test_smc_estimate_is_unbiased():
+def test_smc_estimate_is_unbiased(toy_x):
     """log-mean-exp of 4,000 SMC estimates against the exact log p(x), tolerance from its SE."""
     torch.manual_seed(15)
-    x = sample_data(8)
-    truth = exact_log_evidence(x)
+    x = toy_x(8)
+    truth = toy_log_px(x)
     ratio = torch.exp(smc_log_evidence(x, num_particles=16, num_runs=4000).double() - truth)
     se = ratio.std() / math.sqrt(len(ratio))
     assert abs(ratio.mean() - 1) < 4 * se
@@ -367,7 +371,8 @@ def test_model_parameters_take_the_plain_gradient(Elbo, variance_reduction):
 
 
 def test_single_particle_is_plain_importance_sampling():
-    """K = 1: log P_TMC is the log importance weight of one joint draw (a regression test for 0-dim factors)."""
+    """K = 1: log P_TMC is the log importance weight of one joint draw
+    (a regression test for 0-dim factors)."""
     problem = PROBLEMS["plate"]
     problem.init_params()
     pyro.set_rng_seed(18)

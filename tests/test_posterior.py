@@ -12,24 +12,12 @@ import pyro.distributions as dist
 from pyro.infer import SVI, Predictive, TraceEnum_ELBO
 
 from pyro_tmc import TMC_ELBO, TMC_RWS
-from pyro_tmc.experiments.toy import guide as toy_guide
-from pyro_tmc.experiments.toy import model as toy_model
-from pyro_tmc.experiments.toy import sample_data
 from pyro_tmc.infer import posterior
 
-
-def toy_posterior(x):
-    """Exact posterior means and variances of (theta, z_1..z_N) given x, by Gaussian conditioning."""
-    x = x.double().numpy()
-    n = len(x)
-    # Covariance of (theta, z, x): theta ~ N(0,1), z = theta + e1, x = z + e2.
-    ones = np.ones((n, n))
-    latent = np.block([[np.ones((1, 1)), np.ones((1, n))], [np.ones((n, 1)), ones + np.eye(n)]])
-    cross = np.vstack([np.ones((1, n)), ones + np.eye(n)])
-    data = ones + 2 * np.eye(n)
-    mean = cross @ np.linalg.solve(data, x)
-    cov = latent - cross @ np.linalg.solve(data, cross.T)
-    return mean, np.diag(cov)
+try:
+    from .models import toy_guide, toy_model, toy_posterior_moments
+except ImportError:
+    from models import toy_guide, toy_model, toy_posterior_moments
 
 
 def _moments(marginals):
@@ -38,16 +26,16 @@ def _moments(marginals):
     return mean.double().numpy(), var.double().numpy()
 
 
-def test_gaussian_posterior_moments_converge():
+def test_gaussian_posterior_moments_converge(toy_x):
     """
-    Toy model, N = 8, 20 independent draws at each K. Measured (seed 0): RMS error of the
-    posterior means 0.25 at K = 16 and 0.07 at K = 128; of the variances 0.20 and 0.07.
+    Toy model, N = 8 (tests/models.py's data), 20 independent draws at each K. Measured (seed 0):
+    RMS error of the posterior means 0.21 at K = 16 and 0.07 at K = 128; of the variances 0.18 and 0.06.
     We assert the K = 128 means agree with the truth within 4 standard errors over draws
     plus 0.03 for the self-normalised estimator's O(1/K) bias, and that errors shrink with K.
     """
     pyro.set_rng_seed(0)
-    x = sample_data(8)
-    true_mean, true_var = toy_posterior(x)
+    x = toy_x(8)
+    true_mean, true_var = toy_posterior_moments(x)
     rms = {}
     for k in (16, 128):
         elbo = TMC_ELBO(num_samples=k, max_plate_nesting=1)
@@ -63,8 +51,8 @@ def test_gaussian_posterior_moments_converge():
     assert rms[128][0] < 0.6 * rms[16][0] and rms[128][1] < 0.6 * rms[16][1]
 
 
-def test_marginals_are_batched_over_plates_and_normalised():
-    x = sample_data(5)
+def test_marginals_are_batched_over_plates_and_normalised(toy_x):
+    x = toy_x(5)
     marginals = TMC_ELBO(num_samples=7, max_plate_nesting=1).compute_marginals(toy_model, toy_guide, x)
     z = marginals["z"]
     assert z.batch_shape == (5,) and z.log_weights.shape == (5, 7)
@@ -87,11 +75,7 @@ def hmm(data):
             pyro.sample(f"x_{t}", dist.Normal(locs[z], 1.0), obs=data[t])
 
 
-def empty_guide(data):
-    pass
-
-
-def test_enumerated_marginals_equal_traceenum():
+def test_enumerated_marginals_equal_traceenum(empty_guide):
     pyro.set_rng_seed(1)
     data = torch.randn(6, 2)
     ours = TMC_ELBO(max_plate_nesting=1).compute_marginals(hmm, empty_guide, data)
@@ -105,7 +89,7 @@ def test_enumerated_marginals_equal_traceenum():
         assert torch.equal(ours[site].enumerate_support(), torch.arange(3).expand(2, 3))
 
 
-def test_joint_draws_match_marginals():
+def test_joint_draws_match_marginals(empty_guide):
     """20,000 joint draws of the HMM: each state frequency within 4 binomial SE of its marginal."""
     pyro.set_rng_seed(2)
     data = torch.randn(4, 2)
@@ -123,7 +107,7 @@ def test_joint_draws_match_marginals():
         assert torch.all((freq - probs).abs() < 4 * se + 1e-4), site
 
 
-def test_joint_draws_are_joint():
+def test_joint_draws_are_joint(empty_guide):
     """Pairwise frequencies of (z_0, z_1) match the exact pairwise posterior, which is not the product."""
     pyro.set_rng_seed(3)
     data = torch.tensor([[1.5], [1.4]])
@@ -145,10 +129,10 @@ def test_joint_draws_are_joint():
     assert torch.all((freq - joint).abs() < 4 * se + 1e-4)
 
 
-def test_continuous_draws_follow_marginal_weights():
+def test_continuous_draws_follow_marginal_weights(toy_x):
     """On one TMC draw of the toy model, theta's drawn particles follow its marginal weights."""
     pyro.set_rng_seed(4)
-    x = sample_data(6)
+    x = toy_x(6)
     elbo = TMC_ELBO(num_samples=5, max_plate_nesting=1)
     draw = elbo.draw(toy_model, toy_guide, x)
     theta = posterior.compute_marginals(draw)["theta"]
@@ -159,10 +143,10 @@ def test_continuous_draws_follow_marginal_weights():
     assert torch.all((freq - probs).abs() < 4 * torch.sqrt(probs * (1 - probs) / 20000) + 1e-4)
 
 
-def test_posterior_predictive():
+def test_posterior_predictive(toy_x):
     """sample_posterior plugs into Predictive; predictive means of x_n track the posterior means of z_n."""
     pyro.set_rng_seed(5)
-    x = sample_data(8)
+    x = toy_x(8)
     samples = TMC_ELBO(num_samples=128, max_plate_nesting=1).sample_posterior(toy_model, toy_guide, x, num_draws=2000)
     assert samples["theta"].shape == (2000,) and samples["z"].shape == (2000, 8)
 
@@ -174,7 +158,7 @@ def test_posterior_predictive():
 
     x_new = Predictive(generative, posterior_samples=samples, return_sites=["x"])(8)["x"]
     assert x_new.shape == (2000, 8)
-    true_mean, _ = toy_posterior(x)
+    true_mean, _ = toy_posterior_moments(x)
     # x_new = z + N(0, 1): sd about sqrt(1 + 0.55); one TMC draw's posterior is itself noisy (about 0.1).
     assert np.all(np.abs(x_new.mean(0).double().numpy() - true_mean[1:]) < 4 * math.sqrt(1.55 / 2000) + 0.3)
 
@@ -200,14 +184,13 @@ def mixture_guide(x):
         pyro.sample("c", dist.Categorical(logits=logits))
 
 
-def test_rws_learns_discrete_posterior():
+def test_rws_learns_discrete_posterior(fresh_pyro):
     """
     RWS fits q(c_n) to the exact posterior p(c_n | x_n). Measured: after 1,500 Adam
     steps the largest probability error was 0.03; the tolerance 0.06 leaves room for
     the optimiser's noise (we average the last 300 iterates).
     """
     pyro.set_rng_seed(6)
-    pyro.clear_param_store()
     exact = torch.softmax(MIX_WEIGHTS.log() + dist.Normal(MIX_LOCS, 1.0).log_prob(MIX_X[:, None]), -1)
     svi = SVI(mixture, mixture_guide, pyro.optim.Adam({"lr": 0.05}), TMC_RWS(num_samples=8, max_plate_nesting=1))
     trail = []
@@ -219,9 +202,8 @@ def test_rws_learns_discrete_posterior():
     assert (learned - exact).abs().max() < 0.06
 
 
-def test_rws_keeps_the_bound_as_its_value():
+def test_rws_keeps_the_bound_as_its_value(fresh_pyro):
     pyro.set_rng_seed(7)
-    pyro.clear_param_store()
     mixture_guide(MIX_X)
     rws = TMC_RWS(num_samples=8, max_plate_nesting=1)
     tmc = TMC_ELBO(num_samples=8, max_plate_nesting=1)

@@ -12,6 +12,7 @@ import warnings
 
 import pytest
 import torch
+
 import pyro
 import pyro.distributions as dist
 from pyro import poutine

@@ -19,7 +19,6 @@ import pytest
 import torch
 
 import pyro
-import pyro.distributions as dist
 from pyro import poutine
 from pyro.infer import SVI, Trace_ELBO, TraceEnum_ELBO
 from pyro.infer.autoguide import (

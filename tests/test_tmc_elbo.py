@@ -57,7 +57,7 @@ def test_contraction_equals_brute_force(strategy):
     K = 3
     elbo = TMC_ELBO(num_samples=K, max_plate_nesting=0, proposal=strategy)
     draw = elbo.draw(chain_model, chain_guide)
-    model_trace, guide_trace = draw.model_trace, draw.guide_trace
+    guide_trace = draw.guide_trace
     estimate = draw.log_estimate()
 
     z0, z1, w = (guide_trace.nodes[n]["value"].reshape(-1) for n in ("z0", "z1", "w"))
@@ -103,7 +103,8 @@ def _scalar_chain_guide():
 
 @pytest.mark.parametrize("strategy", ["mixture", "permutation", "diagonal"])
 def test_event_dims_match_scalar_sites(strategy):
-    """The same non-factorised chain with `.to_event(1)` over one unit: identical draws, identical estimate."""
+    """The same non-factorised chain with `.to_event(1)` over one unit:
+    identical draws, identical estimate."""
     estimates = []
     for model, guide in ((_vector_chain_model, _vector_chain_guide), (_scalar_chain_model, _scalar_chain_guide)):
         pyro.set_rng_seed(9)

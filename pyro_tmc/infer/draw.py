@@ -55,12 +55,16 @@ class DrawSettings:
     :param proposal: the proposal strategy (name or :class:`~pyro_tmc.proposals.ProposalStrategy`).
     :param int max_plate_nesting: plate dims right of the particle dims.
     :param int max_factor_bytes: a memory budget per log factor, or ``None``.
+    :param bool joint: every sampled latent shares one particle dim: K joint
+        samples of the guide, as IWAE draws them, instead of K per site.
     """
 
     num_samples: int
     proposal: object
     max_plate_nesting: int
     max_factor_bytes: Optional[int] = None
+    #: every latent on one shared particle dim (IWAE's K joint samples)
+    joint: bool = False
 
     def max_factor_elements(self) -> Optional[int]:
         if self.max_factor_bytes is None:
@@ -201,7 +205,10 @@ def latent_site_names(trace: Trace) -> List[str]:
 def run_guide(guide, args, kwargs, settings: DrawSettings) -> Trace:
     """The guide under ``tmc``: K particles for every latent site, dims left of the plates."""
     messenger = TMCMessenger(
-        settings.num_samples, settings.proposal, first_available_dim=-1 - settings.max_plate_nesting
+        settings.num_samples,
+        settings.proposal,
+        first_available_dim=-1 - settings.max_plate_nesting,
+        joint_dim="new" if settings.joint else None,
     )
     guide_trace = run_with_shape_hint(messenger, "guide", poutine.trace(messenger(guide)).get_trace, args, kwargs)
     warn_about_summed_guide_sites(guide_trace)
@@ -218,6 +225,7 @@ def replay_guide(guide, leaf_trace: Trace, args, kwargs, settings: DrawSettings)
         settings.proposal,
         replayed_sites=latent_site_names(leaf_trace),
         continue_allocation=True,
+        joint_dim=joint_dim(leaf_trace) if settings.joint else None,
     )
     return poutine.trace(poutine.replay(messenger(guide), trace=leaf_trace)).get_trace(*args, **kwargs)
 
@@ -231,9 +239,19 @@ def run_model(model, guide_trace: Trace, args, kwargs, settings: DrawSettings) -
         settings.proposal,
         replayed_sites=latent_site_names(guide_trace),
         continue_allocation=True,
+        joint_dim=joint_dim(guide_trace) if settings.joint else None,
     )
     run = poutine.trace(poutine.replay(messenger(model), trace=guide_trace)).get_trace
     return run_with_shape_hint(messenger, "model", run, args, kwargs)
+
+
+def joint_dim(trace: Trace):
+    """The ``(dim, id)`` of the particle dim the trace's latents share, or ``"new"`` if none has one yet."""
+    for site in trace.nodes.values():
+        draw = site["infer"].get("_tmc_draw") if site["type"] == "sample" else None
+        if draw is not None and draw.joint:
+            return draw.target_dim, site["infer"]["_dim_to_id"][draw.target_dim]
+    return "new"
 
 
 def finish(model_trace: Trace, guide_trace: Trace, max_plate_nesting) -> tuple:

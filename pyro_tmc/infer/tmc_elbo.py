@@ -98,6 +98,10 @@ class TMC_ELBO(DifferentiableLossELBO):
     def _settings(self) -> DrawSettings:
         return DrawSettings(self.num_samples, self.proposal, self.max_plate_nesting, self.max_factor_bytes)
 
+    def _checked(self, draw: TMCDraw) -> TMCDraw:
+        """A hook for subclasses that restrict the models they take."""
+        return draw
+
     def _prepared(self, model, guide, args, kwargs):
         """Model and guide as one draw runs them (vectorised repetitions), and how many draws to average."""
         if self.max_plate_nesting == float("inf"):
@@ -117,7 +121,7 @@ class TMC_ELBO(DifferentiableLossELBO):
         :rtype: ~pyro_tmc.infer.draw.TMCDraw
         """
         model, guide, _ = self._prepared(model, guide, args, kwargs)
-        return TMCDraw.run(model, guide, args, kwargs, self._settings())
+        return self._checked(TMCDraw.run(model, guide, args, kwargs, self._settings()))
 
     def _get_trace(self, model, guide, args, kwargs):
         """Pyro's ELBO protocol: the (model, guide) traces of one draw."""
@@ -137,10 +141,10 @@ class TMC_ELBO(DifferentiableLossELBO):
         total = 0.0
         for _ in range(repeats):
             if torch.is_grad_enabled():
-                draw = self.estimator.draw(model, guide, args, kwargs, settings)
+                draw = self._checked(self.estimator.draw(model, guide, args, kwargs, settings))
                 total = total + self.estimator.surrogate(draw)
             else:  # the value alone: no leaves, no surrogate
-                total = total + TMCDraw.run(model, guide, args, kwargs, settings).log_estimate()
+                total = total + self._checked(TMCDraw.run(model, guide, args, kwargs, settings)).log_estimate()
         loss = -total / self.num_particles
         warn_if_nan(loss, "loss")
         return loss

@@ -17,7 +17,7 @@ from pyro.poutine.enum_messenger import EnumMessenger
 from pyro.poutine.runtime import Message
 
 from .._pyro import _ENUM_ALLOCATOR, _make_handler
-from ..proposals import draw_particles, get_proposal
+from ..proposals import draw_joint_particles, draw_particles, get_proposal
 
 #: PyTorch tensors hold at most this many dims; particle dims beyond it cannot exist.
 MAX_TENSOR_DIMS = 64
@@ -119,6 +119,9 @@ class TMCMessenger(EnumMessenger):
         get no particles of their own.
     :param bool continue_allocation: continue the allocator's state (used for
         the model after the guide has been run).
+    :param joint_dim: ``"new"`` or a ``(dim, id)`` pair: every sampled latent
+        shares one particle dim (IWAE's joint samples: K particle combinations,
+        not K^n); ``"new"`` allocates it at the first sampled site.
 
     Reference: Aitchison, L. (2019) "Tensor Monte Carlo: Particle Methods for
     the GPU Era", NeurIPS.
@@ -131,6 +134,7 @@ class TMCMessenger(EnumMessenger):
         first_available_dim: Optional[int] = None,
         replayed_sites: Collection[str] = (),
         continue_allocation: bool = False,
+        joint_dim: Optional[tuple] = None,
     ) -> None:
         self.num_samples = check_num_samples(num_samples, "tmc")
         self.proposal = get_proposal(proposal)
@@ -142,6 +146,7 @@ class TMCMessenger(EnumMessenger):
             )
         super().__init__(first_available_dim)
         self.replayed_sites = frozenset(replayed_sites)
+        self.joint_dim = joint_dim
 
     def __enter__(self):
         # dim -> id of the site that last placed a value there: what a site
@@ -180,11 +185,19 @@ class TMCMessenger(EnumMessenger):
             )
         if is_point_mass(msg["fn"]):
             return  # drawn as usual: its one value, with its parents' particle dims
-        target_dim, id_ = self._allocate(msg, param_dims)
-        check_no_dim_conflict(msg, target_dim)
         if is_exactly_enumerated(msg):
+            target_dim, id_ = self._allocate(msg, param_dims)
+            check_no_dim_conflict(msg, target_dim)
             value = _enumerate_support(msg["fn"], target_dim)
+        elif self.joint_dim is not None:
+            if self.joint_dim == "new":
+                self.joint_dim = self._allocate(msg, param_dims)
+            target_dim, id_ = self.joint_dim
+            value, draw = draw_joint_particles(msg["fn"], self.num_samples, target_dim)
+            msg["infer"]["_tmc_draw"] = draw
         else:
+            target_dim, id_ = self._allocate(msg, param_dims)
+            check_no_dim_conflict(msg, target_dim)
             value, draw = self._draw(msg, param_dims, target_dim)
             msg["infer"]["_tmc_draw"] = draw
 
