@@ -109,7 +109,7 @@ class PlateScaledLogRing(LogRing):
         return term
 
 
-def _align(term: torch.Tensor, dims: str) -> torch.Tensor:
+def _broadcastable_to(term: torch.Tensor, dims: str) -> torch.Tensor:
     """View a packed ``term`` (whose dims are a subset of ``dims``) so it broadcasts against ``dims``."""
     own = [d for d in dims if d in term._pyro_dims]
     aligned = term.permute(tuple(term._pyro_dims.index(d) for d in own))
@@ -118,7 +118,7 @@ def _align(term: torch.Tensor, dims: str) -> torch.Tensor:
 
 
 def _add(big: torch.Tensor, small: torch.Tensor) -> torch.Tensor:
-    total = big + _align(small, big._pyro_dims)
+    total = big + _broadcastable_to(small, big._pyro_dims)
     total._pyro_dims = big._pyro_dims
     return total
 

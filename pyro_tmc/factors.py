@@ -15,7 +15,7 @@ Dims are packed (``._pyro_dims``) with the symbols Pyro's traces assign.
 """
 
 import math
-from typing import Dict, List, NamedTuple, Optional
+from typing import Dict, List, NamedTuple, Optional, Union
 
 import torch
 from pyro.distributions.util import scale_and_mask
@@ -29,10 +29,19 @@ from .proposals import proposal_log_prob
 from .scales import ScalePlan, plan_scales
 
 class LogFactor(NamedTuple):
-    """A packed log factor and the site it came from (for error messages)."""
+    """
+    A packed log factor and the site it came from (for error messages). The
+    term is a packed tensor, or a :class:`~pyro_tmc.contraction.ChunkedFactor`
+    that computes it slice by slice under a memory budget.
+    """
 
     site: str
-    tensor: torch.Tensor
+    term: Union[torch.Tensor, ChunkedFactor]
+
+    @property
+    def tensor(self) -> Union[torch.Tensor, ChunkedFactor]:
+        """The same as :attr:`term` (the name older code used)."""
+        return self.term
 
 
 def symbolize(model_trace: Trace, guide_trace: Trace) -> None:
@@ -158,7 +167,7 @@ def _proposal_term(q_site, extra_scale, mask, detach: bool) -> torch.Tensor:
     # -log K keeps its sum over particles at 1.
     term = scale_and_mask(-log_q, extra_scale, mask)
     if draw is not None and not draw.joint:
-        term = term - math.log(draw.num_particles)
+        term = term - math.log(draw.num_samples)
     return term
 
 
@@ -292,7 +301,7 @@ def joint_samples_factor(model_trace: Trace) -> Optional[torch.Tensor]:
         if draw is not None and draw.joint:
             symbol = site["infer"]["_dim_to_symbol"][draw.target_dim]
             value = site["value"]
-            term = torch.full((draw.num_particles,), -math.log(draw.num_particles), dtype=value.dtype if value.is_floating_point() else torch.get_default_dtype(), device=value.device)
+            term = torch.full((draw.num_samples,), -math.log(draw.num_samples), dtype=value.dtype if value.is_floating_point() else torch.get_default_dtype(), device=value.device)
             term._pyro_dims = symbol
             return term
     return None
@@ -316,7 +325,7 @@ def particle_shape(site) -> torch.Size:
 def contract_estimate(factors: List["LogFactor"], model_trace: Trace) -> torch.Tensor:
     """log P_TMC: the factors contracted with the trace's plate scales, times its root scale."""
     plan = scale_plan(model_trace)
-    estimate = contract_log_factors([f.tensor for f in factors], plan.plate_scales)
+    estimate = contract_log_factors([f.term for f in factors], plan.plate_scales)
     return estimate if plan.root == 1.0 else estimate * plan.root
 
 

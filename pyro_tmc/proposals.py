@@ -143,7 +143,7 @@ class Diagonal(ProposalStrategy):
             return thin_fn.log_prob(value)
         log_q = fn.log_prob(value)
         picks = {d: draw.ancestors[d] for d in draw.parent_dims}
-        picks[draw.target_dim] = _particle_index(draw.num_particles, draw.target_dim, value.device)
+        picks[draw.target_dim] = _particle_index(draw.num_samples, draw.target_dim, value.device)
         picks = {d: p for d, p in picks.items() if -d <= log_q.dim()}
         return _select_particles(log_q, log_q.dim(), picks, draw.target_dim)
 
@@ -154,7 +154,7 @@ class ParticleDraw:
     What a site's particles were drawn from, kept in ``site["infer"]["_tmc_draw"]``
     so that the factors can evaluate the proposal density indexed by ``k`` alone.
 
-    :param int num_particles: K, the number of particles of this site.
+    :param int num_samples: K, the number of particles of this site.
     :param ProposalStrategy strategy: the proposal strategy used for the parent dims.
     :param tuple parent_dims: the upstream particle dims (negative, relative to the
         right of the site's batch shape) on which the site's distribution depends.
@@ -167,7 +167,7 @@ class ParticleDraw:
     :param int target_dim: the particle dim of this site.
     """
 
-    num_particles: int
+    num_samples: int
     strategy: ProposalStrategy
     parent_dims: Tuple[int, ...]
     thin: bool
@@ -185,13 +185,13 @@ def choose_ancestors(
     site_name: str,
     strategy: ProposalStrategy,
     parent_sizes: Dict[int, int],
-    num_particles: int,
+    num_samples: int,
     device: torch.device,
     element_shape: Tuple[int, ...] = (),
 ) -> Dict[int, torch.Tensor]:
     """
     For each parent dim, the ancestor (an index into that parent's particles) of
-    each of this site's ``num_particles`` particles, chosen anew for every plate
+    each of this site's ``num_samples`` particles, chosen anew for every plate
     element: a particle shared by all elements of a plate that its parent is
     outside would couple them, and the product over the plate would be biased.
 
@@ -201,15 +201,15 @@ def choose_ancestors(
         parent has another.
     """
     if strategy.needs_equal_num_samples:
-        mismatched = {d: s for d, s in parent_sizes.items() if s != num_particles}
+        mismatched = {d: s for d, s in parent_sizes.items() if s != num_samples}
         if mismatched:
             raise ValueError(
-                f"Site '{site_name}' draws {num_particles} particles with "
+                f"Site '{site_name}' draws {num_samples} particles with "
                 f"proposal={strategy.name!r}, which needs every upstream latent to have the "
                 f"same number, but its parents have {sorted(mismatched.values())}. "
                 "Use proposal='mixture', or give the site and its parents equal num_samples."
             )
-    shape = (num_particles,) + tuple(element_shape)
+    shape = (num_samples,) + tuple(element_shape)
     return {dim: strategy.choose(size, shape, device) for dim, size in parent_sizes.items()}
 
 
@@ -307,18 +307,18 @@ def index_parameters(
 def draw_particles(
     site_name: str,
     fn: Distribution,
-    num_particles: int,
+    num_samples: int,
     strategy: ProposalStrategy,
     parent_dims: Tuple[int, ...],
     target_dim: int,
 ) -> Tuple[torch.Tensor, ParticleDraw]:
     """
-    Draw ``num_particles`` particles of a site, placed at ``target_dim``.
+    Draw ``num_samples`` particles of a site, placed at ``target_dim``.
 
     :param str site_name: for error messages.
     :param Distribution fn: the site's distribution; its batch shape may carry
         the upstream particle dims ``parent_dims``.
-    :param int num_particles: K.
+    :param int num_samples: K.
     :param ProposalStrategy strategy: how ancestors are chosen (:data:`PROPOSALS`).
     :param tuple parent_dims: the upstream particle dims of ``fn``'s batch shape.
     :param int target_dim: the (negative) dim that will index the particles.
@@ -328,9 +328,9 @@ def draw_particles(
     batch_shape = fn.batch_shape
     event_shape = fn.event_shape
     if not parent_dims:
-        value = fn(sample_shape=torch.Size([num_particles]))
+        value = fn(sample_shape=torch.Size([num_samples]))
         value = _place_particle_dim(value, batch_shape, event_shape, target_dim)
-        return value, ParticleDraw(num_particles, strategy, (), True, {}, target_dim)
+        return value, ParticleDraw(num_samples, strategy, (), True, {}, target_dim)
 
     parent_sizes = {d: batch_shape[d] for d in parent_dims}
     device = _device_of(fn)
@@ -338,34 +338,34 @@ def draw_particles(
         batch_shape[d] if -d <= len(batch_shape) and d not in parent_dims else 1
         for d in range(target_dim + 1, 0)
     )
-    ancestors = choose_ancestors(site_name, strategy, parent_sizes, num_particles, device, element_shape)
+    ancestors = choose_ancestors(site_name, strategy, parent_sizes, num_samples, device, element_shape)
     thin_fn = index_parameters(fn, ancestors, target_dim)
     if thin_fn is not None:
         value = thin_fn()
     else:
         # Fallback: draw one particle per parent combination and keep K of them.
-        fat = fn(sample_shape=torch.Size([num_particles]))
+        fat = fn(sample_shape=torch.Size([num_samples]))
         picks = dict(ancestors)
-        picks[-1 - len(batch_shape)] = _particle_index(num_particles, target_dim, device)
+        picks[-1 - len(batch_shape)] = _particle_index(num_samples, target_dim, device)
         value = _select_particles(fat, 1 + len(batch_shape), picks, target_dim)
     draw = ParticleDraw(
-        num_particles, strategy, tuple(parent_dims), thin_fn is not None, ancestors, target_dim, fn, thin_fn
+        num_samples, strategy, tuple(parent_dims), thin_fn is not None, ancestors, target_dim, fn, thin_fn
     )
     return value, draw
 
 
-def draw_joint_particles(fn: Distribution, num_particles: int, target_dim: int) -> Tuple[torch.Tensor, ParticleDraw]:
+def draw_joint_particles(fn: Distribution, num_samples: int, target_dim: int) -> Tuple[torch.Tensor, ParticleDraw]:
     """
     Particles on the dim that every latent shares (IWAE): where the site's
     distribution already varies along it (its parents' particle k), one draw per
-    k; else ``num_particles`` draws placed there.
+    k; else ``num_samples`` draws placed there.
     """
     batch_shape = fn.batch_shape
     if len(batch_shape) >= -target_dim and batch_shape[target_dim] > 1:
         value = fn()
     else:
-        value = _place_particle_dim(fn(sample_shape=torch.Size([num_particles])), batch_shape, fn.event_shape, target_dim)
-    return value, ParticleDraw(num_particles, None, (), True, {}, target_dim, joint=True)
+        value = _place_particle_dim(fn(sample_shape=torch.Size([num_samples])), batch_shape, fn.event_shape, target_dim)
+    return value, ParticleDraw(num_samples, None, (), True, {}, target_dim, joint=True)
 
 
 def _place_particle_dim(value, batch_shape, event_shape, target_dim):

@@ -204,14 +204,14 @@ def _condition(term: torch.Tensor, symbol: str, index: torch.Tensor) -> torch.Te
     out_dims += [d for d in index._pyro_dims if d not in out_dims]
     sizes = dict(zip(term._pyro_dims, term.shape))
     sizes.update(zip(index._pyro_dims, index.shape))
-    source = _aligned(term, out_dims + [symbol], sizes, expand_to=out_dims)
-    picks = _aligned(index, out_dims, sizes, expand_to=out_dims).unsqueeze(-1)
+    source = _laid_out(term, out_dims + [symbol], sizes, expand_to=out_dims)
+    picks = _laid_out(index, out_dims, sizes, expand_to=out_dims).unsqueeze(-1)
     result = source.gather(-1, picks).squeeze(-1)
     result._pyro_dims = "".join(out_dims)
     return result
 
 
-def _aligned(term: torch.Tensor, dims: List[str], sizes: Dict[str, int], expand_to: List[str]) -> torch.Tensor:
+def _laid_out(term: torch.Tensor, dims: List[str], sizes: Dict[str, int], expand_to: List[str]) -> torch.Tensor:
     own = [d for d in dims if d in term._pyro_dims]
     tensor = term.permute(tuple(term._pyro_dims.index(d) for d in own))
     tensor = tensor.reshape([sizes[d] if d in own else 1 for d in dims])
@@ -233,7 +233,7 @@ def sample_posterior(draw, num_draws: int) -> Dict[str, torch.Tensor]:
     scales = dict(plate_scales(model_trace))
     scales[DRAWS] = 1.0
     with torch.no_grad():
-        factors = [f.tensor for f in draw.factors()]
+        factors = [f.term for f in draw.factors()]
     draws, indices = {}, {}
     for site in particle_sites(model_trace, guide_trace):
         symbol = site["infer"]["_dim_to_symbol"][site["infer"]["_enumerate_dim"]]

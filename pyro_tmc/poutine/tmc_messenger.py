@@ -269,14 +269,14 @@ class TMCMessenger(EnumMessenger):
     def _draw(self, msg: Message, param_dims: Dict[int, int], target_dim: int):
         fn = msg["fn"]
         name = msg["name"]
-        num_particles = check_num_samples(
+        num_samples = check_num_samples(
             msg["infer"].get("num_samples", self.num_samples), f"Site '{name}'"
         )
         batch_shape = fn.batch_shape
         parent_dims = tuple(
             d for d in range(-len(batch_shape), 0) if batch_shape[d] > 1 and d in param_dims
         )
-        return draw_particles(name, fn, num_particles, self.proposal, parent_dims, target_dim)
+        return draw_particles(name, fn, num_samples, self.proposal, parent_dims, target_dim)
 
 
 def _enumerate_support(fn, target_dim: int) -> torch.Tensor:
