@@ -50,13 +50,19 @@ def run_version(root: str, case: str, repeats: int) -> dict:
     env = dict(os.environ, PYTHONPATH=root)
     out = subprocess.run(
         [sys.executable, os.path.abspath(__file__), "--worker", case, "--repeats", str(repeats)],
-        env=env, capture_output=True, text=True, check=True, cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=root,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--base", required=False, help="the earlier commit")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=15)
@@ -65,16 +71,21 @@ def main() -> None:
     if args.worker:
         return worker(args.worker, args.repeats)
     base_dir = tempfile.mkdtemp(prefix="pyro_tmc_base_")
-    subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", base_dir, args.base], check=True,
-                   capture_output=True)
+    subprocess.run(
+        ["git", "-C", ROOT, "worktree", "add", "--detach", base_dir, args.base],
+        check=True,
+        capture_output=True,
+    )
     try:
         times = {(case, version): [] for case in CASES for version in ("base", "head")}
         for _ in range(args.rounds):
             for case in CASES:
                 for version, root in (("base", base_dir), ("head", ROOT)):
                     times[case, version].append(run_version(root, case, args.repeats))
-        print(f"base {args.base} vs the checkout; CPU, 1 thread; median over {args.rounds} rounds of "
-              f"medians of {args.repeats} steps (ms)\n")
+        print(
+            f"base {args.base} vs the checkout; CPU, 1 thread; median over {args.rounds} rounds of "
+            f"medians of {args.repeats} steps (ms)\n"
+        )
         print("| case | method | base | checkout | checkout / base |")
         print("|---|---|---:|---:|---:|")
         for case in CASES:

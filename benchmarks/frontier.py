@@ -130,8 +130,8 @@ def chain_log_factors(x, loc, log_scale, K) -> Tuple[torch.Tensor, torch.Tensor,
     N = loc.shape[0]
     scale = math.sqrt(1.0 / N)
     q = Normal(loc, log_scale.exp())
-    z = q.rsample((K,))                                                 # (K, N)
-    log_q = (q.log_prob(z) + math.log(K)).T                             # (N, K), with the 1/K
+    z = q.rsample((K,))  # (K, N)
+    log_q = (q.log_prob(z) + math.log(K)).T  # (N, K), with the 1/K
     z = z.T
     f1 = Normal(0.0, scale).log_prob(z[0]) - log_q[0]
     F = Normal(z[:-1, :, None], scale).log_prob(z[1:, None, :]) - log_q[1:, None, :]
@@ -160,7 +160,9 @@ def log_matmul_exp(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     shift_b = torch.where(torch.isfinite(shift_b), shift_b, torch.zeros_like(shift_b))
     s = torch.matmul((a - shift_a).exp(), (b - shift_b).exp())
     positive = s > 0
-    log_s = torch.where(positive, torch.where(positive, s, torch.ones_like(s)).log(), torch.full_like(s, -math.inf))
+    log_s = torch.where(
+        positive, torch.where(positive, s, torch.ones_like(s)).log(), torch.full_like(s, -math.inf)
+    )
     return log_s + shift_a + shift_b
 
 
@@ -193,8 +195,12 @@ def toy_case(num_data: int, num_samples: int, device: str, compiled: bool) -> Ca
     x = torch.randn(num_data, device=device)
     loc = torch.zeros(2, device=device, requires_grad=True)
     log_scale = torch.tensor([0.0, 0.5 * math.log(2.0)], device=device, requires_grad=True)
-    case.steps[PYRO_TMC] = _pyro_step(TMC_ELBO(num_samples=num_samples, max_plate_nesting=1), models.toy_model, models.toy_guide, x)
-    case.steps["hand-written TMC (eager)"] = _backward_step(lambda: models.handwritten_tmc_loss(x, loc, log_scale, num_samples))
+    case.steps[PYRO_TMC] = _pyro_step(
+        TMC_ELBO(num_samples=num_samples, max_plate_nesting=1), models.toy_model, models.toy_guide, x
+    )
+    case.steps["hand-written TMC (eager)"] = _backward_step(
+        lambda: models.handwritten_tmc_loss(x, loc, log_scale, num_samples)
+    )
     case.careful.append("hand-written TMC (eager)")
     if compiled:
         name = "hand-written TMC (torch.compile)"
@@ -213,8 +219,10 @@ def toy_case(num_data: int, num_samples: int, device: str, compiled: bool) -> Ca
             reason = " ".join(str(e).split()).replace("|", "/")[:160] or type(e).__name__
             case.failed[name] = f"compile failed: {type(e).__name__}: {reason}"
     values = {name: statistics.fmean(step().item() for _ in range(3)) for name, step in case.steps.items()}
-    case.notes.append(f"{case.title}: -log P_TMC (mean of 3 draws each): "
-                      + ", ".join(f"{name} {v:.3f}" for name, v in values.items()))
+    case.notes.append(
+        f"{case.title}: -log P_TMC (mean of 3 draws each): "
+        + ", ".join(f"{name} {v:.3f}" for name, v in values.items())
+    )
     return case
 
 
@@ -230,7 +238,9 @@ def chain_case(num_steps: int, num_samples: int, device: str) -> Case:
     def tree():
         return tree_contract(*chain_log_factors(x, loc, log_scale, K))
 
-    case.steps[PYRO_TMC] = _pyro_step(TMC_ELBO(num_samples=K, max_plate_nesting=0), chain_model, chain_guide, x, N)
+    case.steps[PYRO_TMC] = _pyro_step(
+        TMC_ELBO(num_samples=K, max_plate_nesting=0), chain_model, chain_guide, x, N
+    )
     case.steps["hand-written sequential"] = _backward_step(sequential)
     case.steps["hand-written log-depth tree"] = _backward_step(tree)
     case.careful += ["hand-written sequential", "hand-written log-depth tree"]
@@ -244,22 +254,29 @@ def chain_case(num_steps: int, num_samples: int, device: str) -> Case:
     diff = abs(seq.item() - tr.item())
     grad_diff = max((a - b).abs().max().item() for a, b in zip(seq_grads, tr_grads))
     grad_scale = max(a.abs().max().item() for a in seq_grads)
-    case.notes.append(f"{case.title}: sequential {seq.item():.6f} vs tree {tr.item():.6f} on the same particles: "
-                      f"|diff| {diff:.3g} (rel {diff / max(abs(seq.item()), 1e-30):.3g}); "
-                      f"max |grad diff| {grad_diff:.3g} (max |grad| {grad_scale:.3g})")
+    case.notes.append(
+        f"{case.title}: sequential {seq.item():.6f} vs tree {tr.item():.6f} on the same particles: "
+        f"|diff| {diff:.3g} (rel {diff / max(abs(seq.item()), 1e-30):.3g}); "
+        f"max |grad diff| {grad_diff:.3g} (max |grad| {grad_scale:.3g})"
+    )
     assert math.isfinite(seq.item()) and diff <= TREE_RTOL * max(abs(seq.item()), 1.0), case.notes[-1]
     pyro_values = [case.steps[PYRO_TMC]().item() for _ in range(3)]
     hand_values = [sequential().item() for _ in range(3)]
-    case.notes.append(f"{case.title}: -log P_TMC on own draws (3 each): {PYRO_TMC} "
-                      + " ".join(f"{v:.2f}" for v in pyro_values)
-                      + "; hand-written " + " ".join(f"{v:.2f}" for v in hand_values))
+    case.notes.append(
+        f"{case.title}: -log P_TMC on own draws (3 each): {PYRO_TMC} "
+        + " ".join(f"{v:.2f}" for v in pyro_values)
+        + "; hand-written "
+        + " ".join(f"{v:.2f}" for v in hand_values)
+    )
     return case
 
 
 # -- timing and the table --------------------------------------------------------------
 
 
-def median_seconds(steps: Dict[str, Callable[[], torch.Tensor]], repeats: int, device: str, warmup: int = 2) -> Dict[str, float]:
+def median_seconds(
+    steps: Dict[str, Callable[[], torch.Tensor]], repeats: int, device: str, warmup: int = 2
+) -> Dict[str, float]:
     """Interleaved timing: each round runs every method once, after ``warmup`` rounds."""
     times: Dict[str, List[float]] = {name: [] for name in steps}
     for _ in range(warmup):
@@ -285,7 +302,9 @@ def run_case(case: Case, repeats: int, device: str) -> List[str]:
             continue
         ratio = seconds[name] / best
         compile_seconds = case.compile_seconds.get(name, "-")
-        rows.append(f"| {case.title} | {name} | {1e3 * seconds[name]:.2f} | {compile_seconds} | {ratio:.2f} |")
+        rows.append(
+            f"| {case.title} | {name} | {1e3 * seconds[name]:.2f} | {compile_seconds} | {ratio:.2f} |"
+        )
     print("\n".join(rows), flush=True)
     return rows
 
@@ -304,10 +323,16 @@ def warm_compiler(device: str) -> float:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    parser.add_argument("--repeats", type=int, default=None, help="timed rounds (default 10 on cuda, 5 on cpu)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default 1 on cpu, torch's own on cuda)")
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="timed rounds (default 10 on cuda, 5 on cpu)"
+    )
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads (default 1 on cpu, torch's own on cuda)"
+    )
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny sizes, 2 repeats")
     parser.add_argument("--skip-long", action="store_true", help="leave out the N=1000 chain")
     parser.add_argument("--no-compile", action="store_true", help="leave out torch.compile")
@@ -343,7 +368,10 @@ def main(argv=None) -> None:
     compile_startup = None if args.no_compile else warm_compiler(args.device)
     if compile_startup is not None:
         header.append(f"torch.compile one-time start-up (not in the compile column): {compile_startup:.1f} s")
-    table = ["| case | method | median ms (fwd+bwd) | compile s | x best hand-written |", "|---|---|---:|---:|---:|"]
+    table = [
+        "| case | method | median ms (fwd+bwd) | compile s | x best hand-written |",
+        "|---|---|---:|---:|---:|",
+    ]
     print("\n".join(header + [""] + table), flush=True)
 
     notes: List[str] = []

@@ -37,12 +37,16 @@ def handwritten_tmc_loss(x, loc, log_scale, num_samples):
     K = num_samples
     q_theta = Normal(loc[0], log_scale[0].exp())
     q_z = Normal(loc[1], log_scale[1].exp())
-    theta = q_theta.rsample((K,))                       # (K_theta,)
-    z = q_z.rsample((K, x.shape[-1]))                   # (K_z, N)
+    theta = q_theta.rsample((K,))  # (K_theta,)
+    z = q_z.rsample((K, x.shape[-1]))  # (K_z, N)
     f_theta = Normal(0.0, 1.0).log_prob(theta) - q_theta.log_prob(theta) - math.log(K)
-    f_z = (Normal(theta[:, None, None], 1.0).log_prob(z)          # (K_theta, K_z, N)
-           + Normal(z, 1.0).log_prob(x) - q_z.log_prob(z) - math.log(K))
-    per_theta = torch.logsumexp(f_z, 1).sum(-1) + f_theta          # (K_theta,)
+    f_z = (
+        Normal(theta[:, None, None], 1.0).log_prob(z)  # (K_theta, K_z, N)
+        + Normal(z, 1.0).log_prob(x)
+        - q_z.log_prob(z)
+        - math.log(K)
+    )
+    per_theta = torch.logsumexp(f_z, 1).sum(-1) + f_theta  # (K_theta,)
     return -torch.logsumexp(per_theta, 0)
 
 

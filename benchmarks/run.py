@@ -54,13 +54,21 @@ def toy_steps(num_samples: int, num_data: int, device: str) -> Dict[str, Callabl
     def handwritten():
         models.handwritten_tmc_loss(x, loc, log_scale, num_samples).backward()
 
-    pyro_guide = config_enumerate(models.toy_guide, "parallel", num_samples=num_samples, expand=False, tmc="diagonal")
-    pyro_model = config_enumerate(models.toy_model, "parallel", num_samples=num_samples, expand=False, tmc="diagonal")
+    pyro_guide = config_enumerate(
+        models.toy_guide, "parallel", num_samples=num_samples, expand=False, tmc="diagonal"
+    )
+    pyro_model = config_enumerate(
+        models.toy_model, "parallel", num_samples=num_samples, expand=False, tmc="diagonal"
+    )
     return {
         "hand-written TMC": handwritten,
-        "pyro_tmc TMC_ELBO": _pyro_step(TMC_ELBO(num_samples=num_samples, max_plate_nesting=1), models.toy_model, models.toy_guide, x),
+        "pyro_tmc TMC_ELBO": _pyro_step(
+            TMC_ELBO(num_samples=num_samples, max_plate_nesting=1), models.toy_model, models.toy_guide, x
+        ),
         "Pyro TraceTMC_ELBO": _pyro_step(TraceTMC_ELBO(max_plate_nesting=1), pyro_model, pyro_guide, x),
-        "pyro_tmc IWAE_ELBO": _pyro_step(IWAE_ELBO(num_samples=num_samples, max_plate_nesting=1), models.toy_model, models.toy_guide, x),
+        "pyro_tmc IWAE_ELBO": _pyro_step(
+            IWAE_ELBO(num_samples=num_samples, max_plate_nesting=1), models.toy_model, models.toy_guide, x
+        ),
     }
 
 
@@ -70,15 +78,25 @@ def chain_steps(num_samples: int, device: str) -> Dict[str, Callable[[], None]]:
     for strategy in ("mixture", "diagonal"):
         steps[f"pyro_tmc TMC_ELBO ({strategy})"] = _pyro_step(
             TMC_ELBO(num_samples=num_samples, max_plate_nesting=1, proposal=strategy),
-            models.chain_model, models.chain_guide, x,
+            models.chain_model,
+            models.chain_guide,
+            x,
         )
-        guide = config_enumerate(models.chain_guide, "parallel", num_samples=num_samples, expand=False, tmc=strategy)
-        model = config_enumerate(models.chain_model, "parallel", num_samples=num_samples, expand=False, tmc=strategy)
-        steps[f"Pyro TraceTMC_ELBO ({strategy})"] = _pyro_step(TraceTMC_ELBO(max_plate_nesting=1), model, guide, x)
+        guide = config_enumerate(
+            models.chain_guide, "parallel", num_samples=num_samples, expand=False, tmc=strategy
+        )
+        model = config_enumerate(
+            models.chain_model, "parallel", num_samples=num_samples, expand=False, tmc=strategy
+        )
+        steps[f"Pyro TraceTMC_ELBO ({strategy})"] = _pyro_step(
+            TraceTMC_ELBO(max_plate_nesting=1), model, guide, x
+        )
     return steps
 
 
-def vae_steps(num_samples: int, device: str, recognition: str = "factorised") -> Dict[str, Callable[[], None]]:
+def vae_steps(
+    num_samples: int, device: str, recognition: str = "factorised"
+) -> Dict[str, Callable[[], None]]:
     """One step of the paper's 5-layer MNIST VAE on a batch of 100 (random binary pixels: timing only)."""
     from pyro_tmc.experiments import vae
 
@@ -140,7 +158,11 @@ def peak_memory_mb(step: Callable[[], None], device: str) -> Optional[float]:
 def run_case(title: str, steps, repeats: int, device: str, reference: str, memory: bool) -> List[str]:
     seconds = median_seconds(steps, repeats, device)
     floor = peak_memory_mb(lambda: None, device) if memory else 0.0  # the measurement's own noise
-    lines = [f"\n### {title}\n", "| method | median ms | x " + reference + " | peak MB |", "|---|---:|---:|---:|"]
+    lines = [
+        f"\n### {title}\n",
+        "| method | median ms | x " + reference + " | peak MB |",
+        "|---|---:|---:|---:|",
+    ]
     for name, value in seconds.items():
         ratio = value / seconds[reference] if reference in seconds else float("nan")
         mem = peak_memory_mb(steps[name], device) if memory else None
@@ -151,7 +173,9 @@ def run_case(title: str, steps, repeats: int, device: str, reference: str, memor
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--quick", action="store_true", help="a smoke run: small grid, 2 repeats")
@@ -171,15 +195,32 @@ def main(argv=None) -> None:
                 size = f"K*K*N = {k * k * n:,} > {MAX_FACTOR_ELEMENTS:,} elements"
                 print(f"\n### toy K={k} N={n}: skipped ({size})")
                 continue
-            run_case(f"toy K={k} N={n} (forward + backward)", toy_steps(k, n, args.device), repeats,
-                     args.device, "hand-written TMC", memory=not args.no_memory)
+            run_case(
+                f"toy K={k} N={n} (forward + backward)",
+                toy_steps(k, n, args.device),
+                repeats,
+                args.device,
+                "hand-written TMC",
+                memory=not args.no_memory,
+            )
     k = 32 if args.quick else 128
-    run_case(f"non-factorised 5-layer Gaussian chain, K={k} (forward + backward)", chain_steps(k, args.device),
-             repeats, args.device, "pyro_tmc TMC_ELBO (mixture)", memory=not args.no_memory)
+    run_case(
+        f"non-factorised 5-layer Gaussian chain, K={k} (forward + backward)",
+        chain_steps(k, args.device),
+        repeats,
+        args.device,
+        "pyro_tmc TMC_ELBO (mixture)",
+        memory=not args.no_memory,
+    )
     for recognition in ("factorised", "small"):
-        run_case(f"5-layer MNIST VAE ({recognition} recognition), batch 100, K=20: one SVI step",
-                 vae_steps(20, args.device, recognition), repeats, args.device, "IWAE_ELBO",
-                 memory=not args.no_memory)
+        run_case(
+            f"5-layer MNIST VAE ({recognition} recognition), batch 100, K=20: one SVI step",
+            vae_steps(20, args.device, recognition),
+            repeats,
+            args.device,
+            "IWAE_ELBO",
+            memory=not args.no_memory,
+        )
 
 
 if __name__ == "__main__":

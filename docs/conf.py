@@ -58,6 +58,7 @@ html_static_path = []
 
 # --- the tutorials: copied from tutorials/ on every build (docs/tutorials is generated, not kept in git)
 
+
 def _copy_tutorials() -> None:
     target = DOCS / "tutorials"
     if target.exists():
@@ -94,7 +95,7 @@ def _site_target(target: str):
     elif path.startswith("tutorials/") and path.endswith(".ipynb"):
         page = path  # copied beside the other pages
     elif path.startswith("docs/"):
-        page = path[len("docs/"):]  # figures
+        page = path[len("docs/") :]  # figures
     else:
         return None
     return page + ("#" + anchor if anchor else "")

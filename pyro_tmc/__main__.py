@@ -23,8 +23,10 @@ def _require_experiments_extra() -> None:
         if not found:
             missing.append(name)
     if missing:
-        sys.exit(f"python -m pyro_tmc needs {' and '.join(missing)}, of the experiments extra: "
-                 'pip install "pyro-tmc[experiments]"')
+        sys.exit(
+            f"python -m pyro_tmc needs {' and '.join(missing)}, of the experiments extra: "
+            'pip install "pyro-tmc[experiments]"'
+        )
 
 
 _require_experiments_extra()
@@ -36,12 +38,14 @@ HELP = {
     "toy": "the paper's toy model (Fig. 3): TMC vs SMC vs IWAE against the exact log p(x), over K and N",
     "chain": "the paper's chain (Fig. 4): factorised vs non-factorised proposals",
     "vae": "the paper's MNIST experiment (Figs. 5, 6): a VAE with five stochastic layers trained with "
-           "IWAE or TMC, three recognition models, plain/STL/DReGs gradients",
+    "IWAE or TMC, three recognition models, plain/STL/DReGs gradients",
 }
-EPILOG = ("Each experiment writes to results/<name>/ under the current directory unless --out says "
-          "otherwise, and refuses a folder that holds a previous run unless --overwrite is given. "
-          "--quick makes a smoke run of seconds: its numbers are not results. "
-          "Details: python -m pyro_tmc <command> --help.")
+EPILOG = (
+    "Each experiment writes to results/<name>/ under the current directory unless --out says "
+    "otherwise, and refuses a folder that holds a previous run unless --overwrite is given. "
+    "--quick makes a smoke run of seconds: its numbers are not results. "
+    "Details: python -m pyro_tmc <command> --help."
+)
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
@@ -56,26 +60,36 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
 
 def demo(args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)
-    print(f"Toy model (Aitchison 2019): N={args.num_data}, {args.repeats} draws per bound, "
-          f"device={args.device}")
+    print(
+        f"Toy model (Aitchison 2019): N={args.num_data}, {args.repeats} draws per bound, device={args.device}"
+    )
     print("data: drawn from the model itself (data seed 0); exact log p(x) in closed form")
     rows = toy.bounds_table(args.num_data, args.ks, args.repeats, args.device)
     print(toy.format_table(rows))
-    report.print_notes([
-        report.SE_NOTE.format(repeats=args.repeats),
-        report.BOUND_NOTE,
-        "ms: milliseconds per estimate, the mean over the draws after one warm-up draw (excluded).",
-    ])
+    report.print_notes(
+        [
+            report.SE_NOTE.format(repeats=args.repeats),
+            report.BOUND_NOTE,
+            "ms: milliseconds per estimate, the mean over the draws after one warm-up draw (excluded).",
+        ]
+    )
     print("TMC averages over K^(N+1) particle combinations; IWAE over K joint samples.")
 
 
 def _demo_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--num-data", type=int, default=128,
-                        help="N, the number of data points (default: %(default)s)")
-    parser.add_argument("--ks", type=int, nargs="+", default=[1, 4, 16, 64, 256],
-                        help="particle counts K (default: %(default)s)")
-    parser.add_argument("--repeats", type=int, default=10,
-                        help="independent draws per bound (default: %(default)s)")
+    parser.add_argument(
+        "--num-data", type=int, default=128, help="N, the number of data points (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--ks",
+        type=int,
+        nargs="+",
+        default=[1, 4, 16, 64, 256],
+        help="particle counts K (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=10, help="independent draws per bound (default: %(default)s)"
+    )
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
     report.add_threads_argument(parser)
@@ -83,14 +97,16 @@ def _demo_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(argv: Optional[List[str]] = None) -> None:
     """:param argv: the arguments; with no experiment named, the demo runs."""
-    parser = argparse.ArgumentParser(prog="python -m pyro_tmc", epilog=EPILOG,
-                                     description="Tensor Monte Carlo (Aitchison 2019).")
+    parser = argparse.ArgumentParser(
+        prog="python -m pyro_tmc", epilog=EPILOG, description="Tensor Monte Carlo (Aitchison 2019)."
+    )
     commands = parser.add_subparsers(dest="command")
     demo_help = "TMC and IWAE bounds on the toy model (the default; seconds)"
     _demo_arguments(commands.add_parser("demo", help=demo_help))
     for name, module in EXPERIMENTS.items():
-        sub = commands.add_parser(name, help=HELP[name], description=module.__doc__,
-                                  formatter_class=_Formatter)
+        sub = commands.add_parser(
+            name, help=HELP[name], description=module.__doc__, formatter_class=_Formatter
+        )
         module.add_arguments(sub)
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):

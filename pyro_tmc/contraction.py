@@ -24,6 +24,7 @@ from typing import Callable, Dict, Iterable, List, Sequence, Tuple, Union
 import torch
 from opt_einsum import shared_intermediates
 from torch.utils.checkpoint import checkpoint
+
 from pyro.ops.contract import contract_to_tensor
 from pyro.ops.rings import LogRing
 from pyro.ops.special import safe_log
@@ -140,7 +141,8 @@ def fuse_factors(factors: Sequence[torch.Tensor], plates: Iterable[str]) -> List
     for key in sorted(groups, key=lambda k: -groups[k].numel()):
         term = groups[key]
         hosts = [
-            i for i, big in enumerate(fused)
+            i
+            for i, big in enumerate(fused)
             if key <= set(big._pyro_dims) and plates & key == plates & set(big._pyro_dims)
         ]
         if hosts:
@@ -221,9 +223,7 @@ def eliminate_in_chunks(
         msg = _contract(terms, plate_scales, all_dims, target_ordinal=home, target_dims=kept)
         return msg.permute(tuple(msg._pyro_dims.index(d) for d in out_dims))
 
-    pieces = [
-        checkpoint(message, start, stop, *group, use_reentrant=False) for start, stop in lazy.ranges()
-    ]
+    pieces = [checkpoint(message, start, stop, *group, use_reentrant=False) for start, stop in lazy.ranges()]
     combined = torch.logsumexp(torch.stack(pieces), 0)
     combined._pyro_dims = out_dims
     return rest + [combined]

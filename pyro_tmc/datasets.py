@@ -151,8 +151,12 @@ def load_embedded(num_valid: int = 300, num_test: int = 300) -> Splits:
     )
 
 
-def load_dataset(path: Optional[str] = None, embedded: bool = False, fallback: bool = False,
-                 download_root: Optional[str] = None) -> Splits:
+def load_dataset(
+    path: Optional[str] = None,
+    embedded: bool = False,
+    fallback: bool = False,
+    download_root: Optional[str] = None,
+) -> Splits:
     """
     MNIST from ``path`` or ``$PYRO_TMC_MNIST`` when either is given; otherwise the
     embedded digits if ``embedded`` (quick runs), else MNIST from torchvision.

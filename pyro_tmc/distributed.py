@@ -193,8 +193,14 @@ class TMCLightningModule(pl.LightningModule):
     def training_step(self, batch, batch_idx):
         loss = self(*_as_args(batch))
         # sync_dist: the logged value is the average over processes, the loss DDP descends.
-        self.log("train_loss", loss.detach() / self.loss_normaliser, on_step=True, on_epoch=False,
-                 sync_dist=True, batch_size=_batch_size(batch))
+        self.log(
+            "train_loss",
+            loss.detach() / self.loss_normaliser,
+            on_step=True,
+            on_epoch=False,
+            sync_dist=True,
+            batch_size=_batch_size(batch),
+        )
         return loss
 
     def configure_optimizers(self):
@@ -211,8 +217,14 @@ class _Throughput(pl.Callback):
         now = time.perf_counter()
         if self._last is not None:
             rate = _batch_size(batch) * trainer.world_size / (now - self._last)
-            pl_module.log("samples_per_s", rate, on_step=True, on_epoch=False, rank_zero_only=True,
-                          batch_size=_batch_size(batch))
+            pl_module.log(
+                "samples_per_s",
+                rate,
+                on_step=True,
+                on_epoch=False,
+                rank_zero_only=True,
+                batch_size=_batch_size(batch),
+            )
         self._last = now
 
 
@@ -224,7 +236,9 @@ def _default_strategy(accelerator: str, devices: int):
         start = "fork" if sys.platform != "win32" else "spawn"
         return DDPStrategy(start_method=start, process_group_backend="gloo")
     # CUDA cannot be forked once initialised: re-launch the script, except in notebooks.
-    interactive = hasattr(sys, "ps1") or bool(getattr(sys.flags, "interactive", 0)) or "ipykernel" in sys.modules
+    interactive = (
+        hasattr(sys, "ps1") or bool(getattr(sys.flags, "interactive", 0)) or "ipykernel" in sys.modules
+    )
     return "ddp_notebook" if interactive else "ddp"
 
 

@@ -18,6 +18,7 @@ import math
 from typing import Dict, List, NamedTuple, Optional, Union
 
 import torch
+
 from pyro.distributions.util import scale_and_mask
 from pyro.ops.packed import pack
 from pyro.poutine import Trace
@@ -27,6 +28,7 @@ from . import log_density
 from .contraction import ChunkedFactor, contract_log_factors
 from .proposals import proposal_log_prob
 from .scales import ScalePlan, plan_scales
+
 
 class LogFactor(NamedTuple):
     """
@@ -82,7 +84,9 @@ def _pack(site, tensor: torch.Tensor, dim_to_symbol) -> torch.Tensor:
 def _log_prob(site, value=None) -> torch.Tensor:
     fn = site["fn"]
     try:
-        return log_density.log_prob(fn, site["value"] if value is None else value, *site["args"], **site["kwargs"])
+        return log_density.log_prob(
+            fn, site["value"] if value is None else value, *site["args"], **site["kwargs"]
+        )
     except ValueError as e:
         raise ValueError(f"Error while computing log_prob at site '{site['name']}': {e}") from e
 
@@ -301,7 +305,12 @@ def joint_samples_factor(model_trace: Trace) -> Optional[torch.Tensor]:
         if draw is not None and draw.joint:
             symbol = site["infer"]["_dim_to_symbol"][draw.target_dim]
             value = site["value"]
-            term = torch.full((draw.num_samples,), -math.log(draw.num_samples), dtype=value.dtype if value.is_floating_point() else torch.get_default_dtype(), device=value.device)
+            term = torch.full(
+                (draw.num_samples,),
+                -math.log(draw.num_samples),
+                dtype=value.dtype if value.is_floating_point() else torch.get_default_dtype(),
+                device=value.device,
+            )
             term._pyro_dims = symbol
             return term
     return None
@@ -387,7 +396,8 @@ def check_plate_dependencies(model_trace: Trace, guide_trace: Trace) -> None:
                     raise ValueError(
                         f"Site '{name}' depends on latent '{owner[0]}', which is inside a plate that "
                         f"'{name}' is not in. A variable outside a plate must never depend on one "
-                        "inside it (as in TraceEnum_ELBO): move the site into the plate, or the latent out of it "
+                        "inside it (as in TraceEnum_ELBO): move the site into the plate, or the latent "
+                        "out of it "
                         "(e.g. sample a plate of globals as one vector with .to_event(1))."
                     )
 
@@ -402,7 +412,9 @@ def _plate_symbols(site, trace: Trace) -> frozenset:
     return frozenset(trace.plate_to_symbol[f.name] for f in site["cond_indep_stack"] if f.vectorized)
 
 
-def check_finite(factors: List[LogFactor], estimate: torch.Tensor) -> None:
+def check_finite(
+    factors: List[LogFactor], estimate: torch.Tensor, model_trace: Optional[Trace] = None
+) -> None:
     """
     If the estimate is not finite, find the site responsible.
 
@@ -416,7 +428,15 @@ def check_finite(factors: List[LogFactor], estimate: torch.Tensor) -> None:
             tensor = tensor.materialise()
         tensor = tensor.detach()
         if torch.isnan(tensor).any():
-            raise ValueError(f"TMC factor of site '{site}' contains NaN: check its distribution's parameters.")
+            node = model_trace.nodes.get(site) if model_trace is not None else None
+            if node is not None and node["is_observed"] and torch.isnan(node["value"]).any():
+                raise ValueError(
+                    f"The observed value of site '{site}' contains NaN. Remove the missing entries, or "
+                    "mask them out with poutine.mask (or obs_mask) and give them any finite placeholder."
+                )
+            raise ValueError(
+                f"TMC factor of site '{site}' contains NaN: check its distribution's parameters."
+            )
         if torch.isposinf(tensor).any():
             raise ValueError(f"TMC factor of site '{site}' contains +inf: check its log density.")
         if tensor.numel() and (tensor == -math.inf).all():

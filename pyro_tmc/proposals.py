@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Tuple, Type
 
 import torch
-from pyro.distributions.torch_distribution import ExpandedDistribution, MaskedDistribution
 from torch.distributions import (
     Distribution,
     Independent,
@@ -40,6 +39,8 @@ from torch.distributions import (
     MultivariateNormal,
     TransformedDistribution,
 )
+
+from pyro.distributions.torch_distribution import ExpandedDistribution, MaskedDistribution
 
 from . import log_density
 
@@ -65,9 +66,7 @@ def check_proposal(proposal: str) -> str:
     :raises ValueError: otherwise, listing the names.
     """
     if proposal not in PROPOSALS:
-        raise ValueError(
-            f"Unknown proposal {proposal!r}: expected one of {', '.join(map(repr, PROPOSALS))}."
-        )
+        raise ValueError(f"Unknown proposal {proposal!r}: expected one of {', '.join(map(repr, PROPOSALS))}.")
     return proposal
 
 
@@ -138,7 +137,9 @@ class Diagonal(ProposalStrategy):
     def log_prob(self, fn, value, draw):
         # Reuse the indexed copy made for drawing, unless ``fn`` was recomputed
         # (from other parent values, as the path-gradient estimators do).
-        thin_fn = draw.thin_fn if fn is draw.source_fn else index_parameters(fn, draw.ancestors, draw.target_dim)
+        thin_fn = (
+            draw.thin_fn if fn is draw.source_fn else index_parameters(fn, draw.ancestors, draw.target_dim)
+        )
         if thin_fn is not None:
             return thin_fn.log_prob(value)
         log_q = fn.log_prob(value)
@@ -285,7 +286,9 @@ def index_parameters(
     if isinstance(fn, Independent):
         shift = fn.reinterpreted_batch_ndims
         base = index_parameters(
-            fn.base_dist, {d - shift: p.reshape(p.shape + (1,) * shift) for d, p in picks.items()}, target_dim - shift
+            fn.base_dist,
+            {d - shift: p.reshape(p.shape + (1,) * shift) for d, p in picks.items()},
+            target_dim - shift,
         )
         return None if base is None else type(fn)(base, shift)  # keeps Pyro's Independent (callable)
     params = constructor_parameters(fn)
@@ -354,7 +357,9 @@ def draw_particles(
     return value, draw
 
 
-def draw_joint_particles(fn: Distribution, num_samples: int, target_dim: int) -> Tuple[torch.Tensor, ParticleDraw]:
+def draw_joint_particles(
+    fn: Distribution, num_samples: int, target_dim: int
+) -> Tuple[torch.Tensor, ParticleDraw]:
     """
     Particles on the dim that every latent shares (IWAE): where the site's
     distribution already varies along it (its parents' particle k), one draw per
@@ -364,7 +369,9 @@ def draw_joint_particles(fn: Distribution, num_samples: int, target_dim: int) ->
     if len(batch_shape) >= -target_dim and batch_shape[target_dim] > 1:
         value = fn()
     else:
-        value = _place_particle_dim(fn(sample_shape=torch.Size([num_samples])), batch_shape, fn.event_shape, target_dim)
+        value = _place_particle_dim(
+            fn(sample_shape=torch.Size([num_samples])), batch_shape, fn.event_shape, target_dim
+        )
     return value, ParticleDraw(num_samples, None, (), True, {}, target_dim, joint=True)
 
 
@@ -391,9 +398,7 @@ def _device_of(fn: Distribution) -> torch.device:
     return fn.sample().device  # no parameter rule: ask the distribution
 
 
-def proposal_log_prob(
-    fn: Distribution, value: torch.Tensor, draw: ParticleDraw
-) -> torch.Tensor:
+def proposal_log_prob(fn: Distribution, value: torch.Tensor, draw: ParticleDraw) -> torch.Tensor:
     """
     The log proposal density of each particle, indexed by the particle's own
     index alone (plus plate dims): see the module docstring.

@@ -259,7 +259,10 @@ def loopy_tmc_reference(K, R, generator=None, x=LOOPY_X, widen=1.5):
     """Hand-written TMC for the loopy graph with the factorised guide: the average over
     all K^4 particle combinations by one einsum over the five factors.  Shape (R,)."""
     locs, scales = loopy_guide_params(x, widen)
-    z = [float(m) + float(s) * torch.randn(R, K, dtype=torch.float64, generator=generator) for m, s in zip(locs, scales)]
+    z = [
+        float(m) + float(s) * torch.randn(R, K, dtype=torch.float64, generator=generator)
+        for m, s in zip(locs, scales)
+    ]
     logq = [_normal_logpdf(zz, float(m), float(s) ** 2) for zz, m, s in zip(z, locs, scales)]
     factors = [
         _normal_logpdf(z[0], 0.0, 1.0) - logq[0],  # [r, a]
@@ -349,7 +352,9 @@ def chain_tmc_reference(x, N, K, R, proposal="factorised", generator=None):
         if i == 1:
             trans = _normal_logpdf(z, 0.0, var)
         else:
-            trans = torch.logsumexp(alpha[:, None, :] + _normal_logpdf(z[:, :, None], zprev[:, None, :], var), -1)
+            trans = torch.logsumexp(
+                alpha[:, None, :] + _normal_logpdf(z[:, :, None], zprev[:, None, :], var), -1
+            )
         alpha = trans - logq - math.log(K)
         zprev = z
     return torch.logsumexp(alpha + _normal_logpdf(x, zprev, 1.0), -1)
@@ -406,7 +411,11 @@ MIX_X = 1.5
 def discrete_log_px(x=MIX_X, with_z=False):
     """``log sum_c pi_c N(x; mu_c, 1 + [with_z])``: z ~ N(mu_c, 1) adds unit variance."""
     var = 2.0 if with_z else 1.0
-    return float(np.logaddexp.reduce([math.log(p) + gaussian_logpdf([x], m, [[var]]) for p, m in zip(MIX_PROBS, MIX_LOCS)]))
+    return float(
+        np.logaddexp.reduce(
+            [math.log(p) + gaussian_logpdf([x], m, [[var]]) for p, m in zip(MIX_PROBS, MIX_LOCS)]
+        )
+    )
 
 
 def make_discrete_model(with_z):

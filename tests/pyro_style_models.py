@@ -114,7 +114,9 @@ def mvn_model(x):
 def mvn_log_evidence(x):
     n = x.shape[0]
     s0, r = MVN_PRIOR_COV.double(), MVN_NOISE_COV.double()
-    cov = torch.kron(torch.ones(n, n, dtype=torch.float64), s0) + torch.kron(torch.eye(n, dtype=torch.float64), r)
+    cov = torch.kron(torch.ones(n, n, dtype=torch.float64), s0) + torch.kron(
+        torch.eye(n, dtype=torch.float64), r
+    )
     return _normal_logpdf(x.reshape(-1), 0.0, cov)
 
 
@@ -170,7 +172,9 @@ class GlobalLocalLocalGuide(AutoGuide):
         plates = self._create_plates(x)
         if self.mu is None:
             loc = pyro.param("local_loc", lambda: 0.8 * x.detach().clone())
-            scale = pyro.param("local_scale", lambda: torch.full_like(x, 0.7), constraint=constraints.positive)
+            scale = pyro.param(
+                "local_scale", lambda: torch.full_like(x, 0.7), constraint=constraints.positive
+            )
         else:
             precision = 1.0 + 1.0 / GL_NOISE**2
             loc, scale = (self.mu + x / GL_NOISE**2) / precision, torch.full_like(x, precision**-0.5)
@@ -228,9 +232,7 @@ def second_order_hmm(sequences, num_states=2):
     """x_t depends on (x_{t-2}, x_{t-1}); binary features (num_sequences, T, D) emitted
     through a features plate nested in the sequences plate."""
     num_sequences, length, data_dim = sequences.shape
-    trans = pyro.sample(
-        "trans", dist.Dirichlet(torch.ones(num_states, num_states, num_states)).to_event(2)
-    )
+    trans = pyro.sample("trans", dist.Dirichlet(torch.ones(num_states, num_states, num_states)).to_event(2))
     probs_y = pyro.sample("probs_y", dist.Beta(1.0, 1.0).expand([num_states, data_dim]).to_event(2))
     features = pyro.plate("features", data_dim, dim=-1)
     with pyro.plate("sequences", num_sequences, dim=-2):
@@ -367,7 +369,9 @@ def lda_log_joint(words, topic_words):
     words_per_doc, num_docs = words.shape
     num_topics, vocab_size = topic_words.shape
     phi = topic_words.double()
-    log_prior = dist.Dirichlet(torch.full((vocab_size,), LDA_TOPIC_CONC, dtype=torch.float64)).log_prob(phi).sum()
+    log_prior = (
+        dist.Dirichlet(torch.full((vocab_size,), LDA_TOPIC_CONC, dtype=torch.float64)).log_prob(phi).sum()
+    )
     alpha = torch.full((num_topics,), LDA_DOC_CONC, dtype=torch.float64)
     assignments = torch.tensor(list(itertools.product(range(num_topics), repeat=words_per_doc)))  # (A, n)
     counts = torch.nn.functional.one_hot(assignments, num_topics).sum(1).double()  # (A, T)
@@ -388,8 +392,12 @@ class TinyVAE(nn.Module):
     def __init__(self, data_dim=8, latent_dim=2, hidden_dim=16):
         super().__init__()
         self.latent_dim = latent_dim
-        self.decoder = nn.Sequential(nn.Linear(latent_dim, hidden_dim), nn.Softplus(), nn.Linear(hidden_dim, data_dim))
-        self.encoder = nn.Sequential(nn.Linear(data_dim, hidden_dim), nn.Softplus(), nn.Linear(hidden_dim, 2 * latent_dim))
+        self.decoder = nn.Sequential(
+            nn.Linear(latent_dim, hidden_dim), nn.Softplus(), nn.Linear(hidden_dim, data_dim)
+        )
+        self.encoder = nn.Sequential(
+            nn.Linear(data_dim, hidden_dim), nn.Softplus(), nn.Linear(hidden_dim, 2 * latent_dim)
+        )
 
     def model(self, x):
         pyro.module("decoder", self.decoder)

@@ -28,8 +28,11 @@ def test_fused_contraction_equals_naive_ubersum(seed):
     factors = [_packed(torch.randn([sizes[d] for d in s]), s) for s in specs]
     ours = contract_log_factors(factors, {"i": 1.0, "j": 1.0})
     (naive,) = naive_ubersum(
-        ",".join(specs) + "->", *[f.clone() for f in factors], plates="ij",
-        backend="pyro.ops.einsum.torch_log", modulo_total=False,
+        ",".join(specs) + "->",
+        *[f.clone() for f in factors],
+        plates="ij",
+        backend="pyro.ops.einsum.torch_log",
+        modulo_total=False,
     )
     assert torch.allclose(ours, naive, atol=1e-4)
     assert len(fuse_factors(factors, "ij")) < len(factors)

@@ -71,7 +71,9 @@ def test_too_many_particle_dims_suggests_markov():
 def test_nan_factor_names_site():
     def nan_model():
         z = pyro.sample("z", dist.Normal(0.0, 1.0))
-        pyro.sample("x", dist.Normal(z, torch.tensor(float("nan")), validate_args=False), obs=torch.tensor(0.0))
+        pyro.sample(
+            "x", dist.Normal(z, torch.tensor(float("nan")), validate_args=False), obs=torch.tensor(0.0)
+        )
 
     def z_guide():
         pyro.sample("z", dist.Normal(0.0, 1.0))

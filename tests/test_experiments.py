@@ -78,8 +78,9 @@ def test_toy(tmp_path, capsys):
     assert (tmp_path / "toy.png").stat().st_size > 0
     rows = read_csv(tmp_path / "toy.csv")
     exact = {(r["panel"], r["K"], r["N"]): float(r["mean"]) for r in rows if r["method"] == "exact"}
-    bound = {(r["panel"], r["K"], r["N"], r["method"]): float(r["mean"])
-             for r in rows if r["method"] != "exact"}
+    bound = {
+        (r["panel"], r["K"], r["N"], r["method"]): float(r["mean"]) for r in rows if r["method"] != "exact"
+    }
     assert {key[3] for key in bound} == {"TMC", "SMC", "IWAE"}
     for (panel, k, n, method), value in bound.items():
         assert value < exact[panel, k, n] + 2.0, (panel, k, n, method)
@@ -95,8 +96,12 @@ def test_chain(tmp_path, capsys):
     assert (tmp_path / "chain.png").stat().st_size > 0
     exact = math.log(math.exp(-0.25) / math.sqrt(4 * math.pi))  # log N(1; 0, 2)
     rows = read_csv(tmp_path / "chain.csv")
-    assert {r["method"] for r in rows} >= {"factorised (TMC)", "prior, mixture (TMC)",
-                                           "prior, permutation (TMC)", "prior, diagonal (TMC)"}
+    assert {r["method"] for r in rows} >= {
+        "factorised (TMC)",
+        "prior, mixture (TMC)",
+        "prior, permutation (TMC)",
+        "prior, diagonal (TMC)",
+    }
     for row in rows:
         assert -30 < float(row["mean"]) < exact + 1.0, row
 
@@ -209,8 +214,9 @@ def test_embedded_fallback(monkeypatch):
         assert len(images) > 0 and images.min() >= 0 and images.max() < 1
 
 
-@pytest.mark.skipif(importlib.util.find_spec("torchvision") is not None,
-                    reason="torchvision would download MNIST")
+@pytest.mark.skipif(
+    importlib.util.find_spec("torchvision") is not None, reason="torchvision would download MNIST"
+)
 def test_no_source_is_a_clear_error(monkeypatch):
     monkeypatch.delenv(datasets.MNIST_ENV, raising=False)
     with pytest.raises(FileNotFoundError, match=datasets.MNIST_ENV):

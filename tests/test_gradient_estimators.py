@@ -105,12 +105,27 @@ def _chain_log_joint(z):
 
 
 PROBLEMS = {
-    "single": Problem("single", _single_model, _single_guide, ["z"], _single_log_joint, torch.tensor([0.2]), 0),
-    "plate": Problem(
-        "plate", _plate_model, _plate_guide, ["theta", "z0", "z1", "z2"], _plate_log_joint,
-        torch.tensor([0.3, 0.0, -0.5, 0.8]), 1,
+    "single": Problem(
+        "single", _single_model, _single_guide, ["z"], _single_log_joint, torch.tensor([0.2]), 0
     ),
-    "chain": Problem("chain", _chain_model, _chain_guide, ["z1", "z2", "z3"], _chain_log_joint, torch.tensor([0.2, 0.4, 0.9]), 0),
+    "plate": Problem(
+        "plate",
+        _plate_model,
+        _plate_guide,
+        ["theta", "z0", "z1", "z2"],
+        _plate_log_joint,
+        torch.tensor([0.3, 0.0, -0.5, 0.8]),
+        1,
+    ),
+    "chain": Problem(
+        "chain",
+        _chain_model,
+        _chain_guide,
+        ["z1", "z2", "z3"],
+        _chain_log_joint,
+        torch.tensor([0.2, 0.4, 0.9]),
+        0,
+    ),
 }
 
 
@@ -128,7 +143,9 @@ def _particle_values(problem, elbo):
 def _broadcast(values):
     """Latent j's particles along dim j of an n-dim combination tensor (batched on the left)."""
     n = len(values)
-    return [v.reshape(v.shape[:-1] + (1,) * j + (v.shape[-1],) + (1,) * (n - 1 - j)) for j, v in enumerate(values)]
+    return [
+        v.reshape(v.shape[:-1] + (1,) * j + (v.shape[-1],) + (1,) * (n - 1 - j)) for j, v in enumerate(values)
+    ]
 
 
 def _combination_log_weights(problem, z, log_q):
@@ -154,7 +171,9 @@ def brute_force_gradients(problem, eps, loc, log_scale):
         loc_r = loc.detach().expand(R, n).clone().requires_grad_()
         log_scale_r = log_scale.detach().expand(R, n).clone().requires_grad_()
         z = loc_r[..., None] + log_scale_r.exp()[..., None] * eps  # (R, n, K)
-        q_loc, q_log_scale = (loc_r, log_scale_r) if estimator == "plain" else (loc_r.detach(), log_scale_r.detach())
+        q_loc, q_log_scale = (
+            (loc_r, log_scale_r) if estimator == "plain" else (loc_r.detach(), log_scale_r.detach())
+        )
         log_q = dist.Normal(q_loc[..., None], q_log_scale.exp()[..., None]).log_prob(z)
         log_w = _combination_log_weights(problem, z, log_q)
         flat = log_w.reshape(R, -1)
@@ -183,8 +202,11 @@ def brute_force_gradients(problem, eps, loc, log_scale):
 def our_gradients(problem, variance_reduction, num_samples, seed):
     """Guide-parameter gradients of log P_TMC from TMC_ELBO, and the noise its guide drew."""
     problem.init_params()
-    elbo = TMC_ELBO(num_samples=num_samples, max_plate_nesting=problem.max_plate_nesting,
-                    variance_reduction=variance_reduction)
+    elbo = TMC_ELBO(
+        num_samples=num_samples,
+        max_plate_nesting=problem.max_plate_nesting,
+        variance_reduction=variance_reduction,
+    )
     pyro.set_rng_seed(seed)
     loss = elbo.differentiable_loss(problem.model, problem.guide)
     params = [pyro.param("loc").unconstrained(), pyro.param("log_scale").unconstrained()]
@@ -222,7 +244,9 @@ def test_dregs_unbiased_where_paper_surrogate_is_not(problem):
     problem = PROBLEMS[problem]
     torch.manual_seed(13)
     R, n, K = 20000, len(problem.latents), 3
-    brute = brute_force_gradients(problem, torch.randn(R, n, K), problem.loc0, torch.full_like(problem.loc0, -0.2))
+    brute = brute_force_gradients(
+        problem, torch.randn(R, n, K), problem.loc0, torch.full_like(problem.loc0, -0.2)
+    )
 
     def z_scores(estimator):
         diff = brute[estimator] - brute["plain"]
@@ -276,7 +300,9 @@ def test_path_gradients_refuse_discrete_guide_sites(Elbo, variance_reduction):
         pyro.sample("b", dist.Bernoulli(0.5))
 
     with pytest.raises(NotImplementedError, match="site 'b'"):
-        Elbo(num_samples=4, max_plate_nesting=0, variance_reduction=variance_reduction).loss_and_grads(model, guide)
+        Elbo(num_samples=4, max_plate_nesting=0, variance_reduction=variance_reduction).loss_and_grads(
+            model, guide
+        )
 
 
 def test_dregs_refuses_non_factorised_guides():
@@ -298,6 +324,7 @@ def test_path_gradients_stable_for_large_k_and_extreme_weights():
     hundreds of nats across particles (weights near 1e-200 to 1e-500, whose squares no
     float holds), yet loss and gradients stay finite for every estimator.
     """
+
     def model():
         z = torch.tensor(0.0)
         for i in range(5):
@@ -327,10 +354,16 @@ def test_iwae_matches_renyi_alpha_zero(toy_x):
     x = toy_x(16)
     model, guide = toy_model, toy_guide
 
-    ours = torch.stack([IWAE_ELBO(num_samples=8, max_plate_nesting=1).log_evidence(model, guide, x) for _ in range(300)])
+    ours = torch.stack(
+        [IWAE_ELBO(num_samples=8, max_plate_nesting=1).log_evidence(model, guide, x) for _ in range(300)]
+    )
     renyi = torch.tensor(
-        [-RenyiELBO(alpha=0, num_particles=8, vectorize_particles=True, max_plate_nesting=1).loss(model, guide, x)
-         for _ in range(300)]
+        [
+            -RenyiELBO(alpha=0, num_particles=8, vectorize_particles=True, max_plate_nesting=1).loss(
+                model, guide, x
+            )
+            for _ in range(300)
+        ]
     )
     se = math.sqrt(ours.var() / 300 + renyi.var() / 300)
     assert abs(ours.mean().item() - renyi.mean().item()) < 4 * se
@@ -350,6 +383,7 @@ def test_smc_estimate_is_unbiased(toy_x):
 @pytest.mark.parametrize("variance_reduction", ["stl", "dregs"])
 def test_model_parameters_take_the_plain_gradient(Elbo, variance_reduction):
     """With the same particles, STL/DReGs leave the model's parameter gradient as it was."""
+
     def model():
         mu = pyro.param("mu", torch.tensor(0.4))
         with pyro.plate("data", 3):
@@ -365,7 +399,9 @@ def test_model_parameters_take_the_plain_gradient(Elbo, variance_reduction):
     for vr in (None, variance_reduction):
         pyro.clear_param_store()
         pyro.set_rng_seed(17)
-        loss = Elbo(num_samples=5, max_plate_nesting=1, variance_reduction=vr).differentiable_loss(model, guide)
+        loss = Elbo(num_samples=5, max_plate_nesting=1, variance_reduction=vr).differentiable_loss(
+            model, guide
+        )
         grads.append(torch.autograd.grad(loss, [pyro.param("mu").unconstrained()])[0])
     assert torch.allclose(grads[0], grads[1], atol=1e-5)
 

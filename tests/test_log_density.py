@@ -29,7 +29,9 @@ def test_pairwise_gaussian_equals_elementwise(units, offset):
 
 def test_falls_back_where_not_faster():
     value = torch.randn(20, 1, 4)
-    assert gaussian_pairwise_log_prob(dist.Normal(torch.randn(12, 4), 1.0).to_event(1), value) is None  # 4 units
+    assert (
+        gaussian_pairwise_log_prob(dist.Normal(torch.randn(12, 4), 1.0).to_event(1), value) is None
+    )  # 4 units
     assert gaussian_pairwise_log_prob(dist.Normal(torch.randn(12, 1), 1.0), value) is None  # no event
     same = dist.Normal(torch.randn(20, 1, 16), 1.0).to_event(1)  # no parent dims to broadcast
     assert gaussian_pairwise_log_prob(same, torch.randn(20, 1, 16)) is None
@@ -47,6 +49,11 @@ def test_scalar_gaussian_equals_elementwise():
     fast = scalar_gaussian_log_prob(fn, value)
     slow = fn.log_prob(value)
     assert fast is not None and torch.allclose(fast, slow, rtol=1e-5, atol=1e-5)
-    for a, b in zip(torch.autograd.grad(fast.sum(), [value, loc, scale]), torch.autograd.grad(slow.sum(), [value, loc, scale])):
+    for a, b in zip(
+        torch.autograd.grad(fast.sum(), [value, loc, scale]),
+        torch.autograd.grad(slow.sum(), [value, loc, scale]),
+    ):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-4)
-    assert scalar_gaussian_log_prob(dist.Normal(loc, scale), torch.randn(3, 6, 5)) is None  # nothing to broadcast
+    assert (
+        scalar_gaussian_log_prob(dist.Normal(loc, scale), torch.randn(3, 6, 5)) is None
+    )  # nothing to broadcast

@@ -18,6 +18,7 @@ except ImportError:
 
 _trapezoid = getattr(np, "trapezoid", None) or np.trapz
 
+
 @pytest.mark.parametrize("N", [1, 8, 128])
 def test_toy_log_px_three_ways(N):
     """Dense Cholesky, Sherman-Morrison, the generic DAG builder, and quadrature over
@@ -26,7 +27,9 @@ def test_toy_log_px_three_ways(N):
     a = M.toy_log_px(x)
     assert a == pytest.approx(M.toy_log_px_closed_form(x), abs=1e-9)
     mean, cov = M.toy_moments(N)
-    assert a == pytest.approx(M.linear_gaussian_log_marginal(x, np.arange(N + 1, 2 * N + 1), mean, cov), abs=1e-9)
+    assert a == pytest.approx(
+        M.linear_gaussian_log_marginal(x, np.arange(N + 1, 2 * N + 1), mean, cov), abs=1e-9
+    )
     theta = np.linspace(-12, 12, 200001)
     log_integrand = -0.5 * (math.log(2 * math.pi) + theta**2) + (
         -0.5 * (math.log(4 * math.pi) + (x[:, None] - theta) ** 2 / 2.0)
@@ -54,7 +57,9 @@ def test_chain_log_px():
     for N in (1, 100):
         mean, cov = M.chain_moments(N)
         assert cov[N, N] == pytest.approx(2.0)
-        assert M.linear_gaussian_log_marginal([M.CHAIN_X], [N], mean, cov) == pytest.approx(M.chain_log_px(), abs=1e-10)
+        assert M.linear_gaussian_log_marginal([M.CHAIN_X], [N], mean, cov) == pytest.approx(
+            M.chain_log_px(), abs=1e-10
+        )
     assert M.chain_log_px() == pytest.approx(-0.5 * math.log(4 * math.pi) - M.CHAIN_X**2 / 4, abs=1e-12)
 
 
@@ -66,8 +71,12 @@ def test_nonfact_log_px():
 
 def test_discrete_log_px():
     def mix(var):
-        return math.log(sum(p * math.exp(-0.5 * (M.MIX_X - m) ** 2 / var) / math.sqrt(2 * math.pi * var)
-                            for p, m in zip(M.MIX_PROBS, M.MIX_LOCS)))
+        return math.log(
+            sum(
+                p * math.exp(-0.5 * (M.MIX_X - m) ** 2 / var) / math.sqrt(2 * math.pi * var)
+                for p, m in zip(M.MIX_PROBS, M.MIX_LOCS)
+            )
+        )
 
     assert M.discrete_log_px(with_z=False) == pytest.approx(mix(1.0), abs=1e-12)
     assert M.discrete_log_px(with_z=True) == pytest.approx(mix(2.0), abs=1e-12)

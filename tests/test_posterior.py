@@ -118,8 +118,10 @@ def test_joint_draws_are_joint(empty_guide):
     probs = torch.tensor([[0.7, 0.2, 0.1], [0.2, 0.6, 0.2], [0.1, 0.3, 0.6]])
     locs = torch.tensor([-1.5, 0.0, 1.5])
     log_joint = (
-        probs[0].log()[:, None] + probs.log()
-        + dist.Normal(locs, 1.0).log_prob(data[0])[:, None] + dist.Normal(locs, 1.0).log_prob(data[1])[None, :]
+        probs[0].log()[:, None]
+        + probs.log()
+        + dist.Normal(locs, 1.0).log_prob(data[0])[:, None]
+        + dist.Normal(locs, 1.0).log_prob(data[1])[None, :]
     )
     joint = (log_joint - log_joint.logsumexp((0, 1))).exp()
     freq = torch.zeros(3, 3)
@@ -147,7 +149,9 @@ def test_posterior_predictive(toy_x):
     """sample_posterior plugs into Predictive; predictive means of x_n track the posterior means of z_n."""
     pyro.set_rng_seed(5)
     x = toy_x(8)
-    samples = TMC_ELBO(num_samples=128, max_plate_nesting=1).sample_posterior(toy_model, toy_guide, x, num_draws=2000)
+    samples = TMC_ELBO(num_samples=128, max_plate_nesting=1).sample_posterior(
+        toy_model, toy_guide, x, num_draws=2000
+    )
     assert samples["theta"].shape == (2000,) and samples["z"].shape == (2000, 8)
 
     def generative(num_data):  # the toy model with x unobserved
@@ -192,7 +196,9 @@ def test_rws_learns_discrete_posterior(fresh_pyro):
     """
     pyro.set_rng_seed(6)
     exact = torch.softmax(MIX_WEIGHTS.log() + dist.Normal(MIX_LOCS, 1.0).log_prob(MIX_X[:, None]), -1)
-    svi = SVI(mixture, mixture_guide, pyro.optim.Adam({"lr": 0.05}), TMC_RWS(num_samples=8, max_plate_nesting=1))
+    svi = SVI(
+        mixture, mixture_guide, pyro.optim.Adam({"lr": 0.05}), TMC_RWS(num_samples=8, max_plate_nesting=1)
+    )
     trail = []
     for step in range(1200):
         svi.step(MIX_X)

@@ -632,11 +632,15 @@ def _aux_case(name):
     """(model, initialised autoguide, p(y)). Guide scales are wide enough for finite-variance weights."""
     if name == "AutoNormal":
         model = beta_model
-        guide = AutoNormal(model, init_loc_fn=init_to_value(values={"phi": torch.tensor(0.5)}), init_scale=1.8)
+        guide = AutoNormal(
+            model, init_loc_fn=init_to_value(values={"phi": torch.tensor(0.5)}), init_scale=1.8
+        )
         evidence = 0.5  # int_0^1 phi dphi
     else:
         model = loc_scale_model
-        cls = {"AutoDiagonalNormal": AutoDiagonalNormal, "AutoMultivariateNormal": AutoMultivariateNormal}[name]
+        cls = {"AutoDiagonalNormal": AutoDiagonalNormal, "AutoMultivariateNormal": AutoMultivariateNormal}[
+            name
+        ]
         init = init_to_value(values={"loc": torch.tensor(0.0), "scale": torch.tensor(1.0)})
         guide = cls(model, init_loc_fn=init, init_scale=0.5)
         evidence = _loc_scale_evidence()
@@ -723,7 +727,9 @@ REG_Y = torch.linspace(-1.0, 1.0, 5)
 def regression_model():
     weights = pyro.sample("weights", dist.Normal(torch.zeros(3), 1.0).to_event(1))
     with pyro.plate("rows", 5):
-        pyro.sample("response", dist.Normal(REG_X @ weights, 1.0), obs=REG_Y)  # TMC needs (REG_X * weights).sum(-1)
+        pyro.sample(
+            "response", dist.Normal(REG_X @ weights, 1.0), obs=REG_Y
+        )  # TMC needs (REG_X * weights).sum(-1)
 
 
 def cluster_model():
@@ -824,7 +830,9 @@ def _global_switch_log_px():
     total = 0.0
     for g in (0, 1):
         p_z = 0.2 + 0.6 * g
-        per_point = [p_z * normal_pdf(x, 2.0, 1.0) + (1 - p_z) * normal_pdf(x, 0.0, 1.0) for x in PLATE_X.tolist()]
+        per_point = [
+            p_z * normal_pdf(x, 2.0, 1.0) + (1 - p_z) * normal_pdf(x, 0.0, 1.0) for x in PLATE_X.tolist()
+        ]
         total += 0.5 * math.prod(per_point)
     return math.log(total)
 
@@ -872,7 +880,9 @@ def test_common_poutine_scale_acts_outside_the_sum_as_traceenum(scale_where):
     """
     args = (SCALE_X, scale_where)
     expected = TraceEnum_ELBO(max_plate_nesting=1).loss(scaled_mixture_model, scaled_mixture_guide, *args)
-    actual = TMC_ELBO(num_samples=4, max_plate_nesting=1).loss(scaled_mixture_model, scaled_mixture_guide, *args)
+    actual = TMC_ELBO(num_samples=4, max_plate_nesting=1).loss(
+        scaled_mixture_model, scaled_mixture_guide, *args
+    )
     assert close(actual, expected)
 
 

@@ -193,7 +193,9 @@ def test_autoguide_svi_trains(kind):
     """SVI with TMC_ELBO runs and its loss goes down: the guides start at the prior
     median (mu = z = 0) while the posterior sits near mu = 2.5."""
     guide = _training_guide(kind)
-    losses = run_svi(M.global_local_model, guide, TMC_ELBO(num_samples=8, max_plate_nesting=1), (GL_X,), 80, lr=0.1)
+    losses = run_svi(
+        M.global_local_model, guide, TMC_ELBO(num_samples=8, max_plate_nesting=1), (GL_X,), 80, lr=0.1
+    )
     first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
     assert last < first - 1.0, (first, last)
 
@@ -201,12 +203,18 @@ def test_autoguide_svi_trains(kind):
 def test_autonormal_svi_trains_constrained_latent():
     """A positive latent (exp transform, log-Jacobian in every weight) trains too."""
     guide = AutoNormal(M.lognormal_model, init_loc_fn=init_to_value(values={"z": torch.tensor(0.2)}))
-    losses = run_svi(M.lognormal_model, guide, TMC_ELBO(num_samples=8, max_plate_nesting=1), (LOGNORMAL_X,), 80, lr=0.1)
+    losses = run_svi(
+        M.lognormal_model, guide, TMC_ELBO(num_samples=8, max_plate_nesting=1), (LOGNORMAL_X,), 80, lr=0.1
+    )
     assert sum(losses[-10:]) / 10 < sum(losses[:10]) / 10 - 1.0
 
 
 @pytest.mark.parametrize("num_samples", [1, 5])
-@pytest.mark.parametrize("model, x", [(M.global_local_model, GL_X), (M.lognormal_model, LOGNORMAL_X)], ids=["global_local", "lognormal"])
+@pytest.mark.parametrize(
+    "model, x",
+    [(M.global_local_model, GL_X), (M.lognormal_model, LOGNORMAL_X)],
+    ids=["global_local", "lognormal"],
+)
 def test_autodelta_equals_trace_elbo(model, x, num_samples):
     """Delta sites get no particles, so with every latent Delta-guided P_TMC is the single
     joint p(x, z_MAP) / delta(z_MAP): TMC loss == Trace_ELBO loss (and the gradients),
@@ -396,7 +404,9 @@ def test_vae_tmc_bound_above_elbo():
     importance average); the untrained encoder is far from the posterior, so strictly."""
     vae, images = _vae_and_data()
     tmc = TMC_ELBO(num_samples=16, max_plate_nesting=1)
-    tmc_mean, tmc_se = _mean_and_se([tmc.log_evidence(vae.model, vae.guide, images).item() for _ in range(100)])
+    tmc_mean, tmc_se = _mean_and_se(
+        [tmc.log_evidence(vae.model, vae.guide, images).item() for _ in range(100)]
+    )
     elbo_mean, elbo_se = _mean_and_se([-Trace_ELBO().loss(vae.model, vae.guide, images) for _ in range(100)])
     assert tmc_mean - elbo_mean > 3 * math.hypot(tmc_se, elbo_se), (tmc_mean, elbo_mean)
 
@@ -461,5 +471,7 @@ def test_gmm_sampled_locs_unbiased():
 
 def test_gmm_sampled_locs_svi():
     guide = _gmm_sampled_locs_guide(init_scale=1.0)
-    losses = run_svi(M.gmm_sampled_locs_model, guide, TMC_ELBO(num_samples=8, max_plate_nesting=1), (MIX_DATA,), 40)
+    losses = run_svi(
+        M.gmm_sampled_locs_model, guide, TMC_ELBO(num_samples=8, max_plate_nesting=1), (MIX_DATA,), 40
+    )
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5, losses

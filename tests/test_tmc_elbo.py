@@ -106,9 +106,14 @@ def test_event_dims_match_scalar_sites(strategy):
     """The same non-factorised chain with `.to_event(1)` over one unit:
     identical draws, identical estimate."""
     estimates = []
-    for model, guide in ((_vector_chain_model, _vector_chain_guide), (_scalar_chain_model, _scalar_chain_guide)):
+    for model, guide in (
+        (_vector_chain_model, _vector_chain_guide),
+        (_scalar_chain_model, _scalar_chain_guide),
+    ):
         pyro.set_rng_seed(9)
-        estimates.append(TMC_ELBO(num_samples=6, max_plate_nesting=0, proposal=strategy).log_evidence(model, guide))
+        estimates.append(
+            TMC_ELBO(num_samples=6, max_plate_nesting=0, proposal=strategy).log_evidence(model, guide)
+        )
     assert torch.allclose(estimates[0], estimates[1], atol=1e-5)
 
 
@@ -245,7 +250,9 @@ def test_gradient_unbiased_score_function():
         pyro.sample("x", dist.Normal(2.0 * b, 1.0), obs=torch.tensor(x))
 
     pyro.set_rng_seed(4)
-    mean, se = _mean_grad_of_p_hat(model, empty_guide, "t", TMC_ELBO(num_samples=3, max_plate_nesting=0), 3000)
+    mean, se = _mean_grad_of_p_hat(
+        model, empty_guide, "t", TMC_ELBO(num_samples=3, max_plate_nesting=0), 3000
+    )
     s = 1 / (1 + math.exp(-t0))
     n1, n0 = (math.exp(dist.Normal(m, 1.0).log_prob(torch.tensor(x)).item()) for m in (2.0, 0.0))
     exact = s * (1 - s) * (n1 - n0)  # d/dt [s n1 + (1 - s) n0]
@@ -276,7 +283,12 @@ def test_svi_reaches_maximum_likelihood():
             pyro.sample("z", dist.Normal(loc, scale))
 
     pyro.clear_param_store()
-    svi = SVI(model, guide, pyro.optim.ClippedAdam({"lr": 0.05, "lrd": 0.998}), TMC_ELBO(num_samples=16, max_plate_nesting=1))
+    svi = SVI(
+        model,
+        guide,
+        pyro.optim.ClippedAdam({"lr": 0.05, "lrd": 0.998}),
+        TMC_ELBO(num_samples=16, max_plate_nesting=1),
+    )
     trail = []
     for step in range(1500):
         svi.step(x)

@@ -88,7 +88,9 @@ def assert_log_close_below(log_p_hat, log_p, bias=0.0):
     m, se = mean_se(log_p_hat)
     allowance = log_p_hat.var().item() + bias
     assert m - log_p < 4 * se, f"mean {m:.4f} +- {se:.4f} above truth {log_p:.4f}"
-    assert m - log_p > -4 * se - allowance, f"mean {m:.4f} +- {se:.4f}, truth {log_p:.4f}, allowance {allowance:.4f}"
+    assert m - log_p > -4 * se - allowance, (
+        f"mean {m:.4f} +- {se:.4f}, truth {log_p:.4f}, allowance {allowance:.4f}"
+    )
 
 
 def assert_same_mean(a, b):
@@ -168,7 +170,9 @@ def test_toy_unbiased(K, theta_K, R):
     x = torch.tensor(M.toy_data(8))
     guide = M.make_toy_guide(theta_num_samples=theta_K)
     v = draw_log_evidence(M.toy_model, guide, x, R=R, seed=K, num_samples=K, max_plate_nesting=1)
-    ref = M.toy_tmc_reference(M.toy_data(8), K, R=4000, generator=torch.Generator().manual_seed(K), K_theta=theta_K)
+    ref = M.toy_tmc_reference(
+        M.toy_data(8), K, R=4000, generator=torch.Generator().manual_seed(K), K_theta=theta_K
+    )
     assert_unbiased(v, M.toy_log_px(M.toy_data(8)), ref)
 
 
@@ -190,7 +194,9 @@ def test_iwae_elbo_matches_hand_iwae():
 def test_loopy_unbiased():
     """Reference: at K=8 sd(P/p) ~ 0.35, so R=600 gives SE ~ 0.014."""
     x = torch.tensor(M.LOOPY_X)
-    v = draw_log_evidence(M.loopy_model, M.make_loopy_guide(), x, R=600, seed=0, num_samples=8, max_plate_nesting=0)
+    v = draw_log_evidence(
+        M.loopy_model, M.make_loopy_guide(), x, R=600, seed=0, num_samples=8, max_plate_nesting=0
+    )
     ref = M.loopy_tmc_reference(8, R=20000, generator=torch.Generator().manual_seed(0))
     assert_unbiased(v, M.loopy_log_px(), ref)
 
@@ -198,7 +204,9 @@ def test_loopy_unbiased():
 def test_loopy_converges_at_large_K():
     """At K=128 the reference gap is ~0.005 with sd(log P) ~ 0.08."""
     x = torch.tensor(M.LOOPY_X)
-    v = draw_log_evidence(M.loopy_model, M.make_loopy_guide(), x, R=40, seed=1, num_samples=128, max_plate_nesting=0)
+    v = draw_log_evidence(
+        M.loopy_model, M.make_loopy_guide(), x, R=40, seed=1, num_samples=128, max_plate_nesting=0
+    )
     assert_log_close_below(v, M.loopy_log_px())
     assert abs(v.mean().item() - M.loopy_log_px()) < 0.05
 
@@ -213,8 +221,15 @@ CHAIN_GUIDES = {"factorised": M.chain_guide_factorised, "prior": M.chain_guide_p
 def chain_draws(guide_name, K, R, seed, proposal="mixture", N=CHAIN_N):
     x = torch.tensor(M.CHAIN_X)
     return draw_log_evidence(
-        M.chain_model, CHAIN_GUIDES[guide_name], x, N, R=R, seed=seed,
-        num_samples=K, max_plate_nesting=0, proposal=proposal,
+        M.chain_model,
+        CHAIN_GUIDES[guide_name],
+        x,
+        N,
+        R=R,
+        seed=seed,
+        num_samples=K,
+        max_plate_nesting=0,
+        proposal=proposal,
     )
 
 
@@ -249,8 +264,12 @@ def test_chain_matches_reference_at_K4(guide_name, proposal):
     assert_finite(v)
     ref_proposal = "factorised" if guide_name == "factorised" else proposal
     ref = M.chain_tmc_reference(
-        torch.tensor(M.CHAIN_X, dtype=torch.float64), CHAIN_N, 4, R=1000,
-        proposal=ref_proposal, generator=torch.Generator().manual_seed(6),
+        torch.tensor(M.CHAIN_X, dtype=torch.float64),
+        CHAIN_N,
+        4,
+        R=1000,
+        proposal=ref_proposal,
+        generator=torch.Generator().manual_seed(6),
     )
     assert_same_mean(v, ref)
 
@@ -280,8 +299,14 @@ def test_nonfact_guide_K512(proposal):
     """Mean log estimate within 4 SE + 0.003 (the reference Jensen gap is <= 0.002)."""
     x = torch.tensor(M.NONFACT_X)
     v = draw_log_evidence(
-        M.nonfact_model, M.nonfact_guide, x, R=80, seed=8,
-        num_samples=512, max_plate_nesting=0, proposal=proposal,
+        M.nonfact_model,
+        M.nonfact_guide,
+        x,
+        R=80,
+        seed=8,
+        num_samples=512,
+        max_plate_nesting=0,
+        proposal=proposal,
     )
     assert_finite(v)
     m, se = mean_se(v)
@@ -294,8 +319,14 @@ def test_nonfact_guide_unbiased_small_K(proposal):
     mixture/permutation, 0.78 for diagonal)."""
     x = torch.tensor(M.NONFACT_X)
     v = draw_log_evidence(
-        M.nonfact_model, M.nonfact_guide, x, R=300, seed=9,
-        num_samples=8, max_plate_nesting=0, proposal=proposal,
+        M.nonfact_model,
+        M.nonfact_guide,
+        x,
+        R=300,
+        seed=9,
+        num_samples=8,
+        max_plate_nesting=0,
+        proposal=proposal,
     )
     ref = M.nonfact_tmc_reference(8, R=20000, proposal=proposal, generator=torch.Generator().manual_seed(9))
     assert_unbiased(v, M.nonfact_log_px(), ref)
@@ -326,14 +357,18 @@ def test_pyro_trace_tmc_elbo_is_biased_for_nonfactorised_guide():
 def test_discrete_site_summed_exactly(K):
     """With c the only latent, summing it exactly makes P_TMC = p(x) with zero variance."""
     x = torch.tensor(M.MIX_X)
-    v = draw_log_evidence(M.make_discrete_model(False), M.empty_guide, x, R=3, seed=11, num_samples=K, max_plate_nesting=0)
+    v = draw_log_evidence(
+        M.make_discrete_model(False), M.empty_guide, x, R=3, seed=11, num_samples=K, max_plate_nesting=0
+    )
     assert torch.allclose(v, torch.full_like(v, M.discrete_log_px(with_z=False)), atol=1e-4)
 
 
 def test_discrete_site_with_continuous_child_unbiased():
     """c summed exactly, z sampled (K=4) from the guide: E[P_TMC] = p(x)."""
     x = torch.tensor(M.MIX_X)
-    v = draw_log_evidence(M.make_discrete_model(True), M.discrete_guide, x, R=300, seed=12, num_samples=4, max_plate_nesting=0)
+    v = draw_log_evidence(
+        M.make_discrete_model(True), M.discrete_guide, x, R=300, seed=12, num_samples=4, max_plate_nesting=0
+    )
     ref = M.discrete_tmc_reference(4, R=20000, generator=torch.Generator().manual_seed(12))
     assert_unbiased(v, M.discrete_log_px(with_z=True), ref)
 
@@ -355,8 +390,14 @@ def test_toy_cuda_matches_reference():
 def test_nonfact_guide_K512_cuda(proposal):
     x = torch.tensor(M.NONFACT_X, device="cuda")
     v = draw_log_evidence(
-        M.nonfact_model, M.nonfact_guide, x, R=80, seed=15,
-        num_samples=512, max_plate_nesting=0, proposal=proposal,
+        M.nonfact_model,
+        M.nonfact_guide,
+        x,
+        R=80,
+        seed=15,
+        num_samples=512,
+        max_plate_nesting=0,
+        proposal=proposal,
     )
     m, se = mean_se(v)
     assert abs(m - M.nonfact_log_px()) < 4 * se + 0.003

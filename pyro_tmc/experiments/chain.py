@@ -51,7 +51,8 @@ def estimators(num_samples: int) -> Dict[str, tuple]:
         "factorised (TMC)": (TMC_ELBO(num_samples=num_samples, max_plate_nesting=0), factorised_guide),
         **{
             f"prior, {proposal} (TMC)": (
-                TMC_ELBO(num_samples=num_samples, max_plate_nesting=0, proposal=proposal), prior_guide
+                TMC_ELBO(num_samples=num_samples, max_plate_nesting=0, proposal=proposal),
+                prior_guide,
             )
             for proposal in ("mixture", "permutation", "diagonal")
         },
@@ -63,8 +64,9 @@ def sweep(x: torch.Tensor, length: int, ks: Sequence[int], repeats: int) -> List
     rows = []
     for k in tqdm(ks, desc="chain: sweep over K"):
         for method, (elbo, guide) in estimators(k).items():
-            result = report.timed_draws(lambda: elbo.log_evidence(model, guide, x, length).item(),
-                                        repeats, x.device)
+            result = report.timed_draws(
+                lambda: elbo.log_evidence(model, guide, x, length).item(), repeats, x.device
+            )
             rows.append(dict(method=method, K=k, **result))
     return rows
 
@@ -72,8 +74,9 @@ def sweep(x: torch.Tensor, length: int, ks: Sequence[int], repeats: int) -> List
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     report.add_common_arguments(parser, "chain")
     parser.add_argument("--length", type=int, default=100, help="N, the number of latents in the chain")
-    parser.add_argument("--ks", type=int, nargs="+", default=[2, 4, 8, 16, 32, 64, 128, 256],
-                        help="particle counts K")
+    parser.add_argument(
+        "--ks", type=int, nargs="+", default=[2, 4, 8, 16, 32, 64, 128, 256], help="particle counts K"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="independent estimates per point")
     parser.add_argument("--x", type=float, default=1.0, help="the observation")
 
@@ -87,8 +90,10 @@ def run(args: argparse.Namespace) -> List[Dict]:
     smoke = report.smoke_run_note(args, f"a chain of {args.length}, {args.repeats} estimates per point")
     if smoke:
         print(smoke)
-    data = (f"one observation x={args.x} at the end of a chain of N={args.length} latents; "
-            "exact log p(x) in closed form")
+    data = (
+        f"one observation x={args.x} at the end of a chain of N={args.length} latents; "
+        "exact log p(x) in closed form"
+    )
     report.print_data(data)
     torch.manual_seed(args.seed)
     # float64: with a factorised proposal and small K the log weights reach -1000s,
@@ -99,8 +104,10 @@ def run(args: argparse.Namespace) -> List[Dict]:
     report.write_csv(rows, f"{out}/chain.csv")
     report.write_json({"length": args.length, "x": args.x, "exact": exact}, f"{out}/chain_setup.json")
     plots.chain_figure(rows, exact, f"{out}/chain.png")
-    print(f"Chain of N={args.length} latents, x={args.x}: exact log p(x) = {exact:.3f}; "
-          f"log p(x) estimates, mean ± s.e. of {args.repeats}:")
+    print(
+        f"Chain of N={args.length} latents, x={args.x}: exact log p(x) = {exact:.3f}; "
+        f"log p(x) estimates, mean ± s.e. of {args.repeats}:"
+    )
     table = {}
     for row in rows:
         line = table.setdefault(row["K"], {"K": row["K"]})

@@ -26,8 +26,10 @@ def toy_figure(k_rows: Sequence[Dict], n_rows: Sequence[Dict], path: str) -> Non
     """
     plt = _pyplot()
     fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
-    for rows, x, ax_bound, ax_time, per_point in ((k_rows, "K", axes[0], axes[1], False),
-                                                  (n_rows, "N", axes[2], axes[3], True)):
+    for rows, x, ax_bound, ax_time, per_point in (
+        (k_rows, "K", axes[0], axes[1], False),
+        (n_rows, "N", axes[2], axes[3], True),
+    ):
         for method in ("IWAE", "SMC", "TMC", "exact"):
             xs, ys, ses = _series(rows, method, x, "mean")
             if not xs:
@@ -35,11 +37,23 @@ def toy_figure(k_rows: Sequence[Dict], n_rows: Sequence[Dict], path: str) -> Non
             if per_point:
                 ns = _series(rows, method, x, "N")[1]
                 ys, ses = [y / n for y, n in zip(ys, ns)], [s / n for s, n in zip(ses, ns)]
-            ax_bound.errorbar(xs, ys, yerr=ses, label=method, color=COLOURS[method], marker=".",
-                              linestyle="--" if method == "exact" else "-")
+            ax_bound.errorbar(
+                xs,
+                ys,
+                yerr=ses,
+                label=method,
+                color=COLOURS[method],
+                marker=".",
+                linestyle="--" if method == "exact" else "-",
+            )
             if method != "exact":
-                ax_time.plot(xs, _series(rows, method, x, "seconds")[1], label=method, color=COLOURS[method],
-                             marker=".")
+                ax_time.plot(
+                    xs,
+                    _series(rows, method, x, "seconds")[1],
+                    label=method,
+                    color=COLOURS[method],
+                    marker=".",
+                )
         ylabel = "log p(x) per data point" if per_point else "log p(x) estimate"
         ax_bound.set(xscale="log", xlabel=x, ylabel=ylabel)
         ax_time.set(xscale="log", yscale="log", xlabel=x, ylabel="seconds per estimate")
@@ -74,19 +88,25 @@ def vae_figures(rows: Sequence[Dict], out: str) -> None:
     trained = [row for row in rows if "test TMC" in row]
     recognitions = list(dict.fromkeys(row["recognition"] for row in rows))
     reductions = list(dict.fromkeys(row["variance reduction"] for row in rows))
-    panels = (("A: trained with IWAE / TMC, evaluated with TMC", [("iwae", "test TMC"), ("tmc", "test TMC")]),
-              ("B: trained with IWAE", [("iwae", "test IWAE"), ("iwae", "test TMC")]),
-              ("C: trained with TMC", [("tmc", "test IWAE"), ("tmc", "test TMC")]))
+    panels = (
+        ("A: trained with IWAE / TMC, evaluated with TMC", [("iwae", "test TMC"), ("tmc", "test TMC")]),
+        ("B: trained with IWAE", [("iwae", "test IWAE"), ("iwae", "test TMC")]),
+        ("C: trained with TMC", [("tmc", "test IWAE"), ("tmc", "test TMC")]),
+    )
     fig, axes = plt.subplots(3, len(recognitions), figsize=(4 * len(recognitions), 9), squeeze=False)
     for col, recognition in enumerate(recognitions):
         for row_index, (title, lines) in enumerate(panels):
             ax = axes[row_index][col]
             for objective, column in lines:
                 points = _vae_points(trained, recognition, objective, column, reductions)
-                ax.plot([p[0] for p in points], [p[1] for p in points], marker="o",
-                        label=f"trained {objective.upper()}, {column}",
-                        color=COLOURS["TMC" if column == "test TMC" else "IWAE"],
-                        linestyle="-" if objective == "tmc" else ":")
+                ax.plot(
+                    [p[0] for p in points],
+                    [p[1] for p in points],
+                    marker="o",
+                    label=f"trained {objective.upper()}, {column}",
+                    color=COLOURS["TMC" if column == "test TMC" else "IWAE"],
+                    linestyle="-" if objective == "tmc" else ":",
+                )
             ax.set_title(f"{title}\n{recognition}", fontsize="small")
             ax.legend(fontsize="x-small")
         axes[0][col].set_ylabel("test bound per image")
@@ -105,8 +125,11 @@ def vae_figures(rows: Sequence[Dict], out: str) -> None:
 
 
 def _vae_points(rows, recognition: str, objective: str, column: str, reductions: Sequence[str]) -> List:
-    found = {row["variance reduction"]: row[column] for row in rows
-             if row["recognition"] == recognition and row["trained with"] == objective}
+    found = {
+        row["variance reduction"]: row[column]
+        for row in rows
+        if row["recognition"] == recognition and row["trained with"] == objective
+    }
     return [(reduction, found[reduction]) for reduction in reductions if reduction in found]
 
 

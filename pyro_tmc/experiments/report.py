@@ -15,15 +15,21 @@ import torch
 
 RUN_INFO = "run.json"
 SE_NOTE = "±: the standard error of the mean over {repeats} independent estimates."
-BOUND_NOTE = ("Each estimate is the log of an unbiased estimate of p(x): a lower bound on log p(x) in "
-              "expectation; a single estimate, or the mean of a few, can lie above the exact value.")
+BOUND_NOTE = (
+    "Each estimate is the log of an unbiased estimate of p(x): a lower bound on log p(x) in "
+    "expectation; a single estimate, or the mean of a few, can lie above the exact value."
+)
 
 
 def add_threads_argument(parser: argparse.ArgumentParser) -> None:
     """``--threads``: torch's intra-op threads for the run (1 by default; 0 keeps torch's own default)."""
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch CPU threads (default: %(default)s, fastest for these small models on "
-                             "shared cores; 0: torch's default, one per core)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (default: %(default)s, fastest for these small models on "
+        "shared cores; 0: torch's default, one per core)",
+    )
 
 
 def add_common_arguments(parser: argparse.ArgumentParser, name: str) -> None:
@@ -32,15 +38,22 @@ def add_common_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     ``--threads``.
     """
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
-    parser.add_argument("--quick", action="store_true",
-                        help="a smoke run: tiny sizes, seconds; checks that everything runs, "
-                             "its numbers are not results")
-    parser.add_argument("--out", default=os.path.join("results", name),
-                        help="folder for tables, figures and run.json, relative to the current directory "
-                             "(default: %(default)s)")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace the results of a previous run in --out "
-                             "(without it, such a folder is refused)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run: tiny sizes, seconds; checks that everything runs, its numbers are not results",
+    )
+    parser.add_argument(
+        "--out",
+        default=os.path.join("results", name),
+        help="folder for tables, figures and run.json, relative to the current directory "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the results of a previous run in --out (without it, such a folder is refused)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
     add_threads_argument(parser)
 
@@ -84,16 +97,26 @@ def finish(args: argparse.Namespace, out: str, files: Sequence[str], data: str, 
 
     from .. import __version__
 
-    write_json(dict({
-        "command": " ".join(["python -m pyro_tmc"] + list(getattr(args, "argv", sys.argv[1:]))),
-        "arguments": {key: value for key, value in vars(args).items() if key != "argv"},
-        "smoke run": bool(args.quick),
-        "data": data,
-        "torch threads": torch.get_num_threads(),
-        "versions": {"pyro_tmc": __version__, "pyro": pyro.__version__, "torch": torch.__version__,
-                     "python": platform.python_version()},
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-    }, **extra), os.path.join(out, RUN_INFO))
+    write_json(
+        dict(
+            {
+                "command": " ".join(["python -m pyro_tmc"] + list(getattr(args, "argv", sys.argv[1:]))),
+                "arguments": {key: value for key, value in vars(args).items() if key != "argv"},
+                "smoke run": bool(args.quick),
+                "data": data,
+                "torch threads": torch.get_num_threads(),
+                "versions": {
+                    "pyro_tmc": __version__,
+                    "pyro": pyro.__version__,
+                    "torch": torch.__version__,
+                    "python": platform.python_version(),
+                },
+                "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            },
+            **extra,
+        ),
+        os.path.join(out, RUN_INFO),
+    )
     names = ", ".join(list(files) + [RUN_INFO])
     print(f"wrote {os.path.abspath(out)}{os.sep}: {names}")
 
@@ -121,8 +144,9 @@ def write_json(obj, path: str) -> None:
         json.dump(obj, f, indent=1)
 
 
-def format_table(rows: Sequence[Dict], columns: Sequence[str], floats: str = "{:.3f}",
-                 left: Sequence[str] = ("note",)) -> str:
+def format_table(
+    rows: Sequence[Dict], columns: Sequence[str], floats: str = "{:.3f}", left: Sequence[str] = ("note",)
+) -> str:
     """
     A fixed-width text table of ``columns``; floats formatted by ``floats``, missing cells blank.
     Columns named in ``left`` (free text) are left-aligned, the others right-aligned.
@@ -135,6 +159,7 @@ def format_table(rows: Sequence[Dict], columns: Sequence[str], floats: str = "{:
 
     cells = [[cell(row.get(c)) for c in columns] for row in rows]
     widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
+
     def justify(value: str, column: str, width: int) -> str:
         return value.ljust(width) if column in left else value.rjust(width)
 

@@ -107,8 +107,10 @@ def bounds_table(
 
 def format_table(rows: List[Dict]) -> str:
     """The demo's table: each bound as mean ± standard error, and milliseconds per estimate."""
-    header = (f"{'K':>6} {'exact log p(x)':>15} {'TMC bound ± s.e.':>18} {'IWAE bound ± s.e.':>18} "
-              f"{'TMC ms':>8} {'IWAE ms':>8}")
+    header = (
+        f"{'K':>6} {'exact log p(x)':>15} {'TMC bound ± s.e.':>18} {'IWAE bound ± s.e.':>18} "
+        f"{'TMC ms':>8} {'IWAE ms':>8}"
+    )
     lines = [header, "-" * len(header)]
     for row in rows:
         tmc, iwae = row["tmc"], row["iwae"]
@@ -163,13 +165,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     add_common_arguments(parser, "toy")
     parser.add_argument("--num-data", type=int, default=128, help="N for the sweep over K (panels A, B)")
-    parser.add_argument("--ks", type=int, nargs="+", default=[1, 4, 16, 64, 256, 1024],
-                        help="K for TMC and SMC (default: %(default)s)")
-    parser.add_argument("--iwae-ks", type=int, nargs="+", default=[10**4, 10**5, 10**6],
-                        help="further K for IWAE alone (chunked joint samples)")
+    parser.add_argument(
+        "--ks",
+        type=int,
+        nargs="+",
+        default=[1, 4, 16, 64, 256, 1024],
+        help="K for TMC and SMC (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--iwae-ks",
+        type=int,
+        nargs="+",
+        default=[10**4, 10**5, 10**6],
+        help="further K for IWAE alone (chunked joint samples)",
+    )
     parser.add_argument("--num-samples", type=int, default=128, help="K for the sweep over N (panels C, D)")
-    parser.add_argument("--ns", type=int, nargs="+", default=[1, 4, 16, 64, 256, 1024],
-                        help="N for panels C, D (default: %(default)s)")
+    parser.add_argument(
+        "--ns",
+        type=int,
+        nargs="+",
+        default=[1, 4, 16, 64, 256, 1024],
+        help="N for panels C, D (default: %(default)s)",
+    )
     parser.add_argument("--repeats", type=int, default=5, help="independent estimates per point")
 
 
@@ -199,16 +216,21 @@ def run(args: argparse.Namespace) -> List[Dict]:
     methods = ["exact", "TMC", "SMC", "IWAE", "TMC ms", "SMC ms", "IWAE ms"]
     print(f"A, B: log p(x) estimates and time vs K at N={args.num_data} ({args.repeats} estimates per point)")
     print(report.format_table(pivot(k_rows, "K"), ["K"] + methods, floats="{:.2f}"))
-    print(f"C, D: log p(x) estimates and time vs N at K={args.num_samples} "
-          f"({args.repeats} estimates per point)")
+    print(
+        f"C, D: log p(x) estimates and time vs N at K={args.num_samples} ({args.repeats} estimates per point)"
+    )
     print(report.format_table(pivot(n_rows, "N"), ["N"] + methods, floats="{:.2f}"))
-    report.print_notes([
-        report.SE_NOTE.format(repeats=args.repeats),
-        report.BOUND_NOTE,
-        "ms: milliseconds per estimate, the mean over the estimates after one warm-up estimate (excluded).",
-        "Blank: not run at that setting (IWAE alone at the largest K, where TMC and SMC are not needed)."
-        if args.iwae_ks else None,
-        smoke,
-    ])
+    report.print_notes(
+        [
+            report.SE_NOTE.format(repeats=args.repeats),
+            report.BOUND_NOTE,
+            "ms: milliseconds per estimate, the mean over the estimates after one warm-up "
+            "estimate (excluded).",
+            "Blank: not run at that setting (IWAE alone at the largest K, where TMC and SMC are not needed)."
+            if args.iwae_ks
+            else None,
+            smoke,
+        ]
+    )
     report.finish(args, out, files, data)
     return k_rows + n_rows

@@ -212,12 +212,24 @@ def train(config: TrainConfig, images: torch.Tensor, progress: bool = True) -> T
     bar.close()
     # The first step warms up (lazy setup, caches, the allocator): it is timed apart.
     timed = step_seconds[1:] or step_seconds
-    return TrainedVAE(generative, recognition, steps_per_epoch * sum(timed) / len(timed), len(step_seconds),
-                      sum(losses) / len(losses), step_seconds[0])
+    return TrainedVAE(
+        generative,
+        recognition,
+        steps_per_epoch * sum(timed) / len(timed),
+        len(step_seconds),
+        sum(losses) / len(losses),
+        step_seconds[0],
+    )
 
 
-def evaluate(trained: TrainedVAE, objective: str, images: torch.Tensor, num_samples: int,
-             batch_size: int = 100, seed: int = 0) -> float:
+def evaluate(
+    trained: TrainedVAE,
+    objective: str,
+    images: torch.Tensor,
+    num_samples: int,
+    batch_size: int = 100,
+    seed: int = 0,
+) -> float:
     """The bound per data point on (freshly binarised) ``images``, averaged over batches."""
     pyro.set_rng_seed(seed)
     elbo = make_elbo(objective, num_samples)
@@ -232,30 +244,36 @@ def _label(config: TrainConfig) -> str:
     return f"{config.objective}/{config.variance_reduction or 'none'}/{config.recognition}"
 
 
-def run_grid(configs: Sequence[TrainConfig], train_images: torch.Tensor, test_images: torch.Tensor,
-             eval_samples: int) -> List[Dict]:
+def run_grid(
+    configs: Sequence[TrainConfig], train_images: torch.Tensor, test_images: torch.Tensor, eval_samples: int
+) -> List[Dict]:
     """
     Train every configuration and evaluate it under both objectives; unsupported ones are rows
     marked skipped, with the reason.
     """
     rows = []
     for config in tqdm(configs, desc="vae grid"):
-        row = {"recognition": config.recognition, "trained with": config.objective,
-               "variance reduction": config.variance_reduction or "none"}
+        row = {
+            "recognition": config.recognition,
+            "trained with": config.objective,
+            "variance reduction": config.variance_reduction or "none",
+        }
         try:
             trained = train(config, train_images)
         except NotImplementedError as error:
             rows.append(dict(row, note=f"skipped: {error}", reason=f"{type(error).__name__}: {error}"))
             continue
-        row.update({
-            "train bound": -trained.final_loss,
-            "test IWAE": evaluate(trained, "iwae", test_images, eval_samples),
-            "test TMC": evaluate(trained, "tmc", test_images, eval_samples),
-            "s/epoch": trained.seconds_per_epoch,
-            "steps": trained.steps,
-            "first step s": trained.first_step_seconds,
-            "note": "",
-        })
+        row.update(
+            {
+                "train bound": -trained.final_loss,
+                "test IWAE": evaluate(trained, "iwae", test_images, eval_samples),
+                "test TMC": evaluate(trained, "tmc", test_images, eval_samples),
+                "s/epoch": trained.seconds_per_epoch,
+                "steps": trained.steps,
+                "first step s": trained.first_step_seconds,
+                "note": "",
+            }
+        )
         rows.append(row)
     return rows
 
@@ -300,55 +318,101 @@ def train_data_parallel(config: TrainConfig, images: torch.Tensor, devices: int)
         generative = Generative(images.shape[-1])
         recognition = recognition_model(config.recognition, images.shape[-1])
         fit = fit_data_parallel(
-            _Program(generative, "model"), _Program(recognition, "guide"),
+            _Program(generative, "model"),
+            _Program(recognition, "guide"),
             make_elbo(config.objective, config.num_samples, config.variance_reduction),
-            _Binarised(images), devices, batch_size=config.batch_size, max_epochs=config.epochs,
+            _Binarised(images),
+            devices,
+            batch_size=config.batch_size,
+            max_epochs=config.epochs,
             accelerator="gpu" if config.device.startswith("cuda") else "cpu",
-            step_kwargs={"num_data": len(images)}, loss_normaliser=float(len(images)), seed=config.seed,
+            step_kwargs={"num_data": len(images)},
+            loss_normaliser=float(len(images)),
+            seed=config.seed,
         )
     losses = [row["train_loss"] for row in fit.history if "train_loss" in row]
-    return {"recognition": config.recognition, "trained with": config.objective, "devices": devices,
-            "train bound": -losses[-1] if losses else float("nan"),
-            "samples/s": fit.samples_per_second, "wall s": fit.wall_seconds}
+    return {
+        "recognition": config.recognition,
+        "trained with": config.objective,
+        "devices": devices,
+        "train bound": -losses[-1] if losses else float("nan"),
+        "samples/s": fit.samples_per_second,
+        "wall s": fit.wall_seconds,
+    }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     report.add_common_arguments(parser, "vae")
-    parser.add_argument("--mnist", default=None,
-                        help="the pickled MNIST split (default: $PYRO_TMC_MNIST, else torchvision; "
-                             "--quick without either uses the embedded digits)")
-    parser.add_argument("--recognition", nargs="+", default=list(RECOGNITIONS), choices=RECOGNITIONS,
-                        help="recognition models (--quick: factorised and small)")
-    parser.add_argument("--objectives", nargs="+", default=list(OBJECTIVES), choices=OBJECTIVES,
-                        help="training objectives")
-    parser.add_argument("--variance-reductions", nargs="+", default=["none", "stl", "dregs"],
-                        choices=["none", "stl", "dregs"], help="gradient estimators")
-    parser.add_argument("--num-samples", type=int, default=20,
-                        help="K for training and evaluation (default: %(default)s)")
+    parser.add_argument(
+        "--mnist",
+        default=None,
+        help="the pickled MNIST split (default: $PYRO_TMC_MNIST, else torchvision; "
+        "--quick without either uses the embedded digits)",
+    )
+    parser.add_argument(
+        "--recognition",
+        nargs="+",
+        default=list(RECOGNITIONS),
+        choices=RECOGNITIONS,
+        help="recognition models (--quick: factorised and small)",
+    )
+    parser.add_argument(
+        "--objectives", nargs="+", default=list(OBJECTIVES), choices=OBJECTIVES, help="training objectives"
+    )
+    parser.add_argument(
+        "--variance-reductions",
+        nargs="+",
+        default=["none", "stl", "dregs"],
+        choices=["none", "stl", "dregs"],
+        help="gradient estimators",
+    )
+    parser.add_argument(
+        "--num-samples", type=int, default=20, help="K for training and evaluation (default: %(default)s)"
+    )
     parser.add_argument("--epochs", type=int, default=1, help="training epochs (default: %(default)s)")
     parser.add_argument("--batch-size", type=int, default=100, help="images per step (default: %(default)s)")
-    parser.add_argument("--train-size", type=int, default=None,
-                        help="use the first n training images (default: all; --quick: 32)")
-    parser.add_argument("--test-size", type=int, default=None,
-                        help="use the first n test images (default: all; --quick: 16)")
-    parser.add_argument("--devices", type=int, default=None,
-                        help="train the first configuration data-parallel across N processes (CPU) or "
-                             "GPUs (--device cuda) with PyTorch Lightning "
-                             "(pip install 'pyro-tmc[distributed]')")
+    parser.add_argument(
+        "--train-size",
+        type=int,
+        default=None,
+        help="use the first n training images (default: all; --quick: 32)",
+    )
+    parser.add_argument(
+        "--test-size", type=int, default=None, help="use the first n test images (default: all; --quick: 16)"
+    )
+    parser.add_argument(
+        "--devices",
+        type=int,
+        default=None,
+        help="train the first configuration data-parallel across N processes (CPU) or "
+        "GPUs (--device cuda) with PyTorch Lightning "
+        "(pip install 'pyro-tmc[distributed]')",
+    )
 
 
-def _run_data_parallel(config: TrainConfig, train_images: torch.Tensor, args: argparse.Namespace,
-                       out: str, files: List[str], data: str, smoke: Optional[str]) -> List[Dict]:
-    print(f"VAE, data-parallel over {args.devices} process(es): {config.recognition} recognition, "
-          f"{config.objective}, K={config.num_samples}, {len(train_images)} images, {config.epochs} epoch(s)")
+def _run_data_parallel(
+    config: TrainConfig,
+    train_images: torch.Tensor,
+    args: argparse.Namespace,
+    out: str,
+    files: List[str],
+    data: str,
+    smoke: Optional[str],
+) -> List[Dict]:
+    print(
+        f"VAE, data-parallel over {args.devices} process(es): {config.recognition} recognition, "
+        f"{config.objective}, K={config.num_samples}, {len(train_images)} images, {config.epochs} epoch(s)"
+    )
     rows = [train_data_parallel(config, train_images, args.devices)]
     report.write_csv(rows, f"{out}/vae_data_parallel.csv")
     print(report.format_table(rows, list(rows[0]), floats="{:.2f}"))
-    report.print_notes([
-        "train bound: the training bound per image at the last step; samples/s: the median over steps "
-        "(all processes); wall s: the whole fit, process start-up included.",
-        smoke,
-    ])
+    report.print_notes(
+        [
+            "train bound: the training bound per image at the last step; samples/s: the median over steps "
+            "(all processes); wall s: the whole fit, process start-up included.",
+            smoke,
+        ]
+    )
     report.finish(args, out, files, data)
     return rows
 
@@ -368,12 +432,22 @@ def run(args: argparse.Namespace) -> List[Dict]:
     dataset = load_dataset(args.mnist, embedded=args.quick)
     train_images = dataset["train"].images[: args.train_size]
     test_images = dataset["test"].images[: args.test_size]
-    data = (f"{dataset.source}: {len(train_images)} training and {len(test_images)} test images "
-            f"of {train_images.shape[-1]} pixels")
+    data = (
+        f"{dataset.source}: {len(train_images)} training and {len(test_images)} test images "
+        f"of {train_images.shape[-1]} pixels"
+    )
     report.print_data(data)
     configs = [
-        TrainConfig(recognition, objective, None if vr == "none" else vr, args.num_samples, args.epochs,
-                    args.batch_size, device=args.device, seed=args.seed)
+        TrainConfig(
+            recognition,
+            objective,
+            None if vr == "none" else vr,
+            args.num_samples,
+            args.epochs,
+            args.batch_size,
+            device=args.device,
+            seed=args.seed,
+        )
         for recognition in args.recognition
         for objective in args.objectives
         for vr in args.variance_reductions
@@ -381,21 +455,35 @@ def run(args: argparse.Namespace) -> List[Dict]:
     if args.devices:  # the first TMC configuration of the grid
         config = next((c for c in configs if c.objective == "tmc"), configs[0])
         return _run_data_parallel(config, train_images, args, out, files, data, smoke)
-    print(f"VAE grid: {len(configs)} configurations, K={args.num_samples}, {args.epochs} epoch(s) "
-          f"of batches of {args.batch_size}")
+    print(
+        f"VAE grid: {len(configs)} configurations, K={args.num_samples}, {args.epochs} epoch(s) "
+        f"of batches of {args.batch_size}"
+    )
     rows = run_grid(configs, train_images, test_images, args.num_samples)
     report.write_csv(rows, f"{out}/vae.csv")
-    columns = ["recognition", "trained with", "variance reduction", "train bound", "test IWAE", "test TMC",
-               "s/epoch", "note"]
+    columns = [
+        "recognition",
+        "trained with",
+        "variance reduction",
+        "train bound",
+        "test IWAE",
+        "test TMC",
+        "s/epoch",
+        "note",
+    ]
     print(report.format_table(rows, columns, floats="{:.2f}"))
-    report.print_notes([
-        "train bound: the training bound per image, mean over the last epoch; test IWAE / test TMC: "
-        f"the bound per test image under IWAE / TMC with K={args.num_samples} (one draw, no ±).",
-        "s/epoch: seconds per epoch, from the mean step time after the first step "
-        "(warm-up: excluded, in vae.csv as 'first step s').",
-        "Blank: a skipped configuration (the reason in 'note')." if any(r["note"] for r in rows) else None,
-        smoke,
-    ])
+    report.print_notes(
+        [
+            "train bound: the training bound per image, mean over the last epoch; test IWAE / test TMC: "
+            f"the bound per test image under IWAE / TMC with K={args.num_samples} (one draw, no ±).",
+            "s/epoch: seconds per epoch, from the mean step time after the first step "
+            "(warm-up: excluded, in vae.csv as 'first step s').",
+            "Blank: a skipped configuration (the reason in 'note')."
+            if any(r["note"] for r in rows)
+            else None,
+            smoke,
+        ]
+    )
     plots.vae_figures(rows, out)
     report.finish(args, out, files, data)
     return rows

@@ -1,6 +1,7 @@
-"""What every loss here shares: ``loss``, ``loss_and_grads`` and ``log_evidence`` from ``differentiable_loss``."""
+"""Shared by every loss: ``loss``, ``loss_and_grads`` and ``log_evidence``, from ``differentiable_loss``."""
 
 import torch
+
 from pyro.infer.elbo import ELBO
 
 

@@ -22,8 +22,9 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
-import pyro.poutine as poutine
 import torch
+
+import pyro.poutine as poutine
 from pyro.infer.util import is_validation_enabled
 from pyro.poutine import Trace
 from pyro.poutine.util import prune_subsample_sites
@@ -159,7 +160,7 @@ class TMCDraw:
         """
         factors = self.factors(sources, detach_guide_proposals)
         estimate = contract_estimate(factors, self.model_trace)
-        check_finite(factors, estimate)
+        check_finite(factors, estimate, self.model_trace)
         return estimate
 
     def marginal_weights(
@@ -172,7 +173,9 @@ class TMCDraw:
 
         :param log_estimate: :meth:`log_estimate` computed with ``sources``.
         """
-        grads = torch.autograd.grad(log_estimate, list(sources.values()), allow_unused=True, retain_graph=retain_graph)
+        grads = torch.autograd.grad(
+            log_estimate, list(sources.values()), allow_unused=True, retain_graph=retain_graph
+        )
         weights = {}
         for (name, source), grad in zip(sources.items(), grads):
             grad = torch.zeros_like(source) if grad is None else grad
@@ -199,7 +202,9 @@ class TMCDraw:
 
 def latent_site_names(trace: Trace) -> List[str]:
     """Names of the unobserved sample sites of a trace."""
-    return [name for name, site in trace.nodes.items() if site["type"] == "sample" and not site["is_observed"]]
+    return [
+        name for name, site in trace.nodes.items() if site["type"] == "sample" and not site["is_observed"]
+    ]
 
 
 def run_guide(guide, args, kwargs, settings: DrawSettings) -> Trace:
@@ -210,7 +215,9 @@ def run_guide(guide, args, kwargs, settings: DrawSettings) -> Trace:
         first_available_dim=-1 - settings.max_plate_nesting,
         joint_dim="new" if settings.joint else None,
     )
-    guide_trace = run_with_shape_hint(messenger, "guide", poutine.trace(messenger(guide)).get_trace, args, kwargs)
+    guide_trace = run_with_shape_hint(
+        messenger, "guide", poutine.trace(messenger(guide)).get_trace, args, kwargs
+    )
     warn_about_summed_guide_sites(guide_trace)
     return guide_trace
 
@@ -306,7 +313,9 @@ def check_model_guide_shapes_match(model_trace: Trace, guide_trace: Trace, max_p
             model_shape = tuple(model_site["fn"].shape())[-kept:] if kept else ()
             guide_shape = tuple(guide_site["fn"].shape())[-kept:] if kept else ()
             width = max(len(model_shape), len(guide_shape))
-            if (1,) * (width - len(model_shape)) + model_shape != (1,) * (width - len(guide_shape)) + guide_shape:
+            if (1,) * (width - len(model_shape)) + model_shape != (1,) * (
+                width - len(guide_shape)
+            ) + guide_shape:
                 raise ValueError(
                     f"Model and guide shapes disagree at site '{name}': {model_shape} vs {guide_shape}"
                 ) from error

@@ -19,6 +19,7 @@ uses it.
 from typing import Callable, Dict, List, Optional, Type
 
 import torch
+
 from pyro.poutine import Trace
 
 from ..proposals import proposal_log_prob
@@ -40,13 +41,13 @@ def register_estimator(name: Optional[str]) -> Callable[[type], type]:
     return register
 
 
-def make_estimator(name: Optional[str], allowed=None) -> "GradientEstimator":
+def make_estimator(name: Optional[str], exclude=()) -> "GradientEstimator":
     """
     :param name: a registered estimator name (``None`` for the plain gradient).
-    :param allowed: the names this loss accepts (default: all registered).
-    :raises ValueError: for an unknown or disallowed name, listing the choices.
+    :param exclude: registered names this loss does not take.
+    :raises ValueError: for an unknown or excluded name, listing the choices.
     """
-    choices = [n for n in ESTIMATORS if allowed is None or n in allowed]
+    choices = [n for n in ESTIMATORS if n not in exclude]
     if name not in choices:
         raise ValueError(
             f"Unknown variance_reduction {name!r}: expected one of {', '.join(map(repr, choices))}."
@@ -115,7 +116,7 @@ class StickingTheLanding(GradientEstimator):
         weights = event_dims = None
         if sources:
             weights = {}
-            for (name, source), grad in zip(sources.items(), grads[len(draw.leaves):]):
+            for (name, source), grad in zip(sources.items(), grads[len(draw.leaves) :]):
                 grad = torch.zeros_like(source) if grad is None else grad
                 weights[name] = grad / draw_scale(draw, name)
             event_dims = {name: draw.live_trace.nodes[name]["fn"].event_dim for name in names}
@@ -126,7 +127,7 @@ class StickingTheLanding(GradientEstimator):
 
 
 def draw_scale(draw: TMCDraw, name: str):
-    """What scales site ``name``'s factor from outside it (the gradient of a source is the marginal times this)."""
+    """What scales site ``name``'s factor from outside it (a source's gradient is the marginal times this)."""
     from ..factors import plate_scale_of
 
     return plate_scale_of(draw.site(name), draw.model_trace)

@@ -3,7 +3,7 @@
 from typing import Optional
 
 from .draw import DrawSettings, TMCDraw
-from .tmc_elbo import VARIANCE_REDUCTIONS, TMC_ELBO
+from .tmc_elbo import TMC_ELBO
 
 
 class IWAE_ELBO(TMC_ELBO):
@@ -56,7 +56,9 @@ class IWAE_ELBO(TMC_ELBO):
         )
 
     def _settings(self) -> DrawSettings:
-        return DrawSettings(self.num_samples, self.proposal, self.max_plate_nesting, self.max_factor_bytes, joint=True)
+        return DrawSettings(
+            self.num_samples, self.proposal, self.max_plate_nesting, self.max_factor_bytes, joint=True
+        )
 
     def _checked(self, draw: TMCDraw) -> TMCDraw:
         for trace, where in ((draw.guide_trace, "in the guide"), (draw.model_trace, "drawn from the prior")):
@@ -67,6 +69,3 @@ class IWAE_ELBO(TMC_ELBO):
                         "is not. Use TMC_ELBO, which gives such sites unbiased score-function terms."
                     )
         return draw
-
-
-__all__ = ["IWAE_ELBO", "VARIANCE_REDUCTIONS"]

@@ -50,6 +50,7 @@ The score term has zero mean for a single sample but is noisy.
 from typing import Dict, List, Optional, Tuple
 
 import torch
+
 from pyro.poutine import Trace
 
 from ..poutine.tmc_messenger import is_point_mass
@@ -100,10 +101,7 @@ def with_leaf_values(
     out, so that the replay recomputes them from the leaves they depend on
     (AutoNormal's constrained values from its auxiliary particles).
     """
-    leaves = {
-        name: guide_trace.nodes[name]["value"].detach().requires_grad_(requires_grad)
-        for name in names
-    }
+    leaves = {name: guide_trace.nodes[name]["value"].detach().requires_grad_(requires_grad) for name in names}
     leaf_trace = guide_trace.copy()
     for name, leaf in leaves.items():
         node = dict(guide_trace.nodes[name])

@@ -24,6 +24,7 @@ from collections import OrderedDict
 from typing import Dict, List, Tuple
 
 import torch
+
 from pyro.distributions import Categorical, Empirical
 from pyro.poutine import Trace
 
@@ -110,9 +111,9 @@ def _particles_last(site, tensor: torch.Tensor, event_dim: int, particle_dim: in
     tensor = tensor.movedim(batch_ndim + particle_dim, batch_ndim - 1)
     plates = _plate_shape(site)
     rest = tensor.shape[: batch_ndim - 1]
-    kept = tuple(rest[len(rest) - len(plates):]) if plates else ()
-    tensor = tensor.reshape(kept + tensor.shape[batch_ndim - 1:])  # drops leading size-1 dims
-    return tensor.expand(plates + tensor.shape[len(plates):])
+    kept = tuple(rest[len(rest) - len(plates) :]) if plates else ()
+    tensor = tensor.reshape(kept + tensor.shape[batch_ndim - 1 :])  # drops leading size-1 dims
+    return tensor.expand(plates + tensor.shape[len(plates) :])
 
 
 class ParticleMarginal(Empirical):
@@ -211,7 +212,9 @@ def _condition(term: torch.Tensor, symbol: str, index: torch.Tensor) -> torch.Te
     return result
 
 
-def _laid_out(term: torch.Tensor, dims: List[str], sizes: Dict[str, int], expand_to: List[str]) -> torch.Tensor:
+def _laid_out(
+    term: torch.Tensor, dims: List[str], sizes: Dict[str, int], expand_to: List[str]
+) -> torch.Tensor:
     own = [d for d in dims if d in term._pyro_dims]
     tensor = term.permute(tuple(term._pyro_dims.index(d) for d in own))
     tensor = tensor.reshape([sizes[d] if d in own else 1 for d in dims])
@@ -243,11 +246,15 @@ def sample_posterior(draw, num_draws: int) -> Dict[str, torch.Tensor]:
         if site["name"] in model_trace.nodes:
             draws[site["name"]] = _gather_values(site, index, model_trace.plate_to_symbol)
     for name in point_mass_sites(model_trace):
-        draws[name] = _gather_point_mass(model_trace.nodes[name], indices, model_trace.plate_to_symbol, num_draws)
+        draws[name] = _gather_point_mass(
+            model_trace.nodes[name], indices, model_trace.plate_to_symbol, num_draws
+        )
     return {name: draws[name] for name in model_trace.nodes if name in draws}
 
 
-def _gather_point_mass(site, indices: Dict[str, torch.Tensor], plate_to_symbol, num_draws: int) -> torch.Tensor:
+def _gather_point_mass(
+    site, indices: Dict[str, torch.Tensor], plate_to_symbol, num_draws: int
+) -> torch.Tensor:
     """
     A Delta site's value at the drawn particles of every particle dim it carries:
     ``(num_draws,) + plate shape + event shape``.
@@ -289,7 +296,11 @@ def _with_draws_where_needed(factors: List[torch.Tensor], num_draws: int, plates
     so memory grows with num_draws only where the draws have made things differ.
     """
     carrying = {i for i, t in enumerate(factors) if DRAWS in t._pyro_dims}
-    dims = set().union(*(set(factors[i]._pyro_dims) for i in carrying)) - set(plates) - {DRAWS} if carrying else set()
+    dims = (
+        set().union(*(set(factors[i]._pyro_dims) for i in carrying)) - set(plates) - {DRAWS}
+        if carrying
+        else set()
+    )
     grown = True
     while grown:
         grown = False
@@ -351,5 +362,5 @@ def _gather_values(site, index: torch.Tensor, plate_to_symbol: Dict[str, str]) -
     index = index.expand(index.shape[:1] + plates)
     values = values.expand(index.shape[:1] + values.shape)
     picks = index.reshape(index.shape + (1,) * (event_dim + 1))
-    picks = picks.expand(index.shape + (1,) + values.shape[values.dim() - event_dim:])
+    picks = picks.expand(index.shape + (1,) + values.shape[values.dim() - event_dim :])
     return values.gather(1 + len(plates), picks).squeeze(1 + len(plates))

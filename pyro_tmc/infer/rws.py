@@ -34,17 +34,28 @@ class TMC_RWS(TMC_ELBO):
     [3] Aitchison (2019) "Tensor Monte Carlo: Particle Methods for the GPU Era".
     """
 
-    def __init__(self, num_samples: int = 8, max_plate_nesting: float = float("inf"),
-                 proposal: str = "mixture", num_particles: int = 1,
-                 vectorize_particles: bool = False, **kwargs) -> None:
+    def __init__(
+        self,
+        num_samples: int = 8,
+        max_plate_nesting: float = float("inf"),
+        proposal: str = "mixture",
+        num_particles: int = 1,
+        vectorize_particles: bool = False,
+        **kwargs,
+    ) -> None:
         if "variance_reduction" in kwargs:
             raise ValueError(
                 "TMC_RWS takes no variance_reduction: its guide gradient is the wake-phi update. "
                 "Use TMC_ELBO(variance_reduction=...) for STL or DReGs."
             )
-        super().__init__(num_samples=num_samples, max_plate_nesting=max_plate_nesting,
-                         proposal=proposal, num_particles=num_particles,
-                         vectorize_particles=vectorize_particles, **kwargs)
+        super().__init__(
+            num_samples=num_samples,
+            max_plate_nesting=max_plate_nesting,
+            proposal=proposal,
+            num_particles=num_particles,
+            vectorize_particles=vectorize_particles,
+            **kwargs,
+        )
 
     def _make_estimator(self, variance_reduction: Optional[str]):
         return make_estimator("rws")

@@ -4,7 +4,7 @@ import warnings
 from typing import Optional
 
 import torch
-from pyro.poutine import Trace
+
 from pyro.util import warn_if_nan
 
 from ..poutine.tmc_messenger import check_num_samples
@@ -13,8 +13,8 @@ from .base import DifferentiableLossELBO
 from .draw import DrawSettings, TMCDraw
 from .estimators import make_estimator
 
-#: the variance_reduction names TMC_ELBO accepts (TMC_RWS uses "rws")
-VARIANCE_REDUCTIONS = (None, "stl", "dregs")
+#: registered estimators that belong to another loss (TMC_RWS's wake-sleep)
+NOT_VARIANCE_REDUCTIONS = ("rws",)
 
 
 class TMC_ELBO(DifferentiableLossELBO):
@@ -91,7 +91,7 @@ class TMC_ELBO(DifferentiableLossELBO):
         )
 
     def _make_estimator(self, variance_reduction):
-        return make_estimator(variance_reduction, VARIANCE_REDUCTIONS)
+        return make_estimator(variance_reduction, exclude=NOT_VARIANCE_REDUCTIONS)
 
     # -- draws ---------------------------------------------------------------
 
@@ -144,7 +144,9 @@ class TMC_ELBO(DifferentiableLossELBO):
                 draw = self._checked(self.estimator.draw(model, guide, args, kwargs, settings))
                 total = total + self.estimator.surrogate(draw)
             else:  # the value alone: no leaves, no surrogate
-                total = total + self._checked(TMCDraw.run(model, guide, args, kwargs, settings)).log_estimate()
+                total = (
+                    total + self._checked(TMCDraw.run(model, guide, args, kwargs, settings)).log_estimate()
+                )
         loss = -total / self.num_particles
         warn_if_nan(loss, "loss")
         return loss

@@ -3,16 +3,15 @@
 import numbers
 from typing import Callable, Collection, Dict, Optional
 
-import warnings
-
 import torch
+from torch.distributions import Independent
+
 from pyro.distributions import Delta
 from pyro.distributions.torch_distribution import (
     ExpandedDistribution,
     MaskedDistribution,
     TorchDistributionMixin,
 )
-from torch.distributions import Independent
 from pyro.poutine.enum_messenger import EnumMessenger
 from pyro.poutine.runtime import Message
 
@@ -26,19 +25,18 @@ MAX_TENSOR_DIMS = 64
 DEFAULT_MAX_PLATE_NESTING = 4
 
 
-def check_num_samples(num_samples, where: str) -> int:
+def check_num_samples(num_samples, where: str, example: str = "") -> int:
     """
+    :param str where: what was given the number, for the message (e.g. ``"TMC_ELBO(num_samples)"``).
+    :param str example: a corrected call, for the message; by default ``where`` with 16.
     :returns: ``num_samples`` if it is a positive integer.
     :raises ValueError: naming ``where`` otherwise.
     """
-    if (
-        isinstance(num_samples, bool)
-        or not isinstance(num_samples, numbers.Integral)
-        or num_samples < 1
-    ):
+    if isinstance(num_samples, bool) or not isinstance(num_samples, numbers.Integral) or num_samples < 1:
+        if not example:
+            example = where.replace(")", "=16)") if where.endswith(")") else f"{where}(num_samples=16)"
         raise ValueError(
-            f"{where}: num_samples must be a positive integer, got {num_samples!r}. "
-            "Pass an int >= 1 (e.g. infer={'num_samples': 16})."
+            f"{where}: must be a positive integer, got {num_samples!r}. Pass an int >= 1, e.g. {example}."
         )
     return int(num_samples)
 
@@ -136,7 +134,7 @@ class TMCMessenger(EnumMessenger):
         continue_allocation: bool = False,
         joint_dim: Optional[tuple] = None,
     ) -> None:
-        self.num_samples = check_num_samples(num_samples, "tmc")
+        self.num_samples = check_num_samples(num_samples, "tmc(num_samples)")
         self.proposal = get_proposal(proposal)
         if first_available_dim is None and not continue_allocation:
             first_available_dim = -1 - DEFAULT_MAX_PLATE_NESTING
@@ -254,7 +252,8 @@ class TMCMessenger(EnumMessenger):
         """
         where = f"after sample site '{self.current_site}'" if self.current_site else "before any sample site"
         dims = ", ".join(
-            f"dim {dim}: '{name}' ({size} particles)" for dim, (name, size) in sorted(self.particle_dims.items())
+            f"dim {dim}: '{name}' ({size} particles)"
+            for dim, (name, size) in sorted(self.particle_dims.items())
         )
         return (
             f"\n\nThis happened while running the {role} under TMC, {where}. TMC gives every latent "
@@ -270,12 +269,12 @@ class TMCMessenger(EnumMessenger):
         fn = msg["fn"]
         name = msg["name"]
         num_samples = check_num_samples(
-            msg["infer"].get("num_samples", self.num_samples), f"Site '{name}'"
+            msg["infer"].get("num_samples", self.num_samples),
+            f"Site '{name}' infer['num_samples']",
+            "infer={'num_samples': 16}",
         )
         batch_shape = fn.batch_shape
-        parent_dims = tuple(
-            d for d in range(-len(batch_shape), 0) if batch_shape[d] > 1 and d in param_dims
-        )
+        parent_dims = tuple(d for d in range(-len(batch_shape), 0) if batch_shape[d] > 1 and d in param_dims)
         return draw_particles(name, fn, num_samples, self.proposal, parent_dims, target_dim)
 
 
@@ -297,5 +296,4 @@ def tmc(  # type: ignore[empty-body]
     first_available_dim: Optional[int] = None,
     replayed_sites: Collection[str] = (),
     continue_allocation: bool = False,
-):
-    ...
+): ...
