@@ -66,6 +66,7 @@ def main() -> None:
     parser.add_argument("--base", required=False, help="the earlier commit")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--cases", nargs="*", default=list(CASES), help="a subset of: " + ", ".join(CASES))
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -77,9 +78,10 @@ def main() -> None:
         capture_output=True,
     )
     try:
-        times = {(case, version): [] for case in CASES for version in ("base", "head")}
+        cases = [case for case in CASES if case in args.cases]
+        times = {(case, version): [] for case in cases for version in ("base", "head")}
         for _ in range(args.rounds):
-            for case in CASES:
+            for case in cases:
                 for version, root in (("base", base_dir), ("head", ROOT)):
                     times[case, version].append(run_version(root, case, args.repeats))
         print(
@@ -88,7 +90,7 @@ def main() -> None:
         )
         print("| case | method | base | checkout | checkout / base |")
         print("|---|---|---:|---:|---:|")
-        for case in CASES:
+        for case in cases:
             for method in times[case, "base"][0]:
                 base = statistics.median(t[method] for t in times[case, "base"]) * 1e3
                 head = statistics.median(t[method] for t in times[case, "head"]) * 1e3

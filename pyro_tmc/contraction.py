@@ -17,6 +17,7 @@ are summed inside the plate. We scale at the plate product, where the
 scaling belongs.
 """
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Sequence, Tuple, Union
@@ -254,6 +255,41 @@ def contract_log_factors(
         tensors = eliminate_in_chunks(chunked, tensors, plate_scales)
     if not tensors:  # no factors at all (an empty model and guide): log 1
         return torch.zeros(())
-    tensors = fuse_factors(tensors, plates)
     sum_dims = set("".join(t._pyro_dims for t in tensors)) - plates
+    if _is_one_global_sum(tensors, sum_dims, plates):
+        return _contract_one_global_sum(tensors, sum_dims, plate_scales)
+    tensors = fuse_factors(tensors, plates)
     return _contract(tensors, plate_scales, sum_dims)
+
+
+def _is_one_global_sum(tensors, sum_dims, plates) -> bool:
+    """
+    At most one particle dim, summed outside every plate (a factor holds it and
+    no plate): IWAE's joint samples, or a model with one global latent.
+    """
+    if not sum_dims:
+        return True
+    if len(sum_dims) > 1:
+        return False
+    (dim,) = sum_dims
+    return any(dim in t._pyro_dims and not plates.intersection(t._pyro_dims) for t in tensors)
+
+
+def _contract_one_global_sum(tensors, sum_dims, plate_scales) -> torch.Tensor:
+    """
+    ``log sum_k prod_f prod_plates exp(f)``: each factor's plate products are
+    sums of logs (scaled by the plates' scales), then one logsumexp over k. The
+    same value as the general contraction, without its planning.
+    """
+    total = 0.0
+    for term in tensors:
+        dims = term._pyro_dims
+        positions = [i for i, d in enumerate(dims) if d in plate_scales]
+        if positions:
+            scale = math.prod(plate_scales[dims[i]] for i in positions)
+            term = term.sum(positions)
+            term = term * scale if scale != 1.0 else term
+        total = total + term.reshape(-1) if sum_dims else total + term
+    if not sum_dims:
+        return total if isinstance(total, torch.Tensor) else torch.zeros(())
+    return _safe_logsumexp(total, [0])

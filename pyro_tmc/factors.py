@@ -15,6 +15,7 @@ Dims are packed (``._pyro_dims``) with the symbols Pyro's traces assign.
 """
 
 import math
+from types import SimpleNamespace
 from typing import Dict, List, NamedTuple, Optional, Union
 
 import torch
@@ -356,7 +357,7 @@ def check_site_shapes(model_trace: Trace, guide_trace: Trace, max_plate_nesting)
         for site in trace.nodes.values():
             if site["type"] != "sample":
                 continue
-            log_prob = torch.empty(_batch_shape(site), device="meta")
+            log_prob = SimpleNamespace(shape=_batch_shape(site))  # all the check reads of it
             infer = site["infer"]
             draw = infer.get("_tmc_draw")
             if draw is not None and draw.joint:  # shares its parents' dim by design
@@ -380,19 +381,26 @@ def check_plate_dependencies(model_trace: Trace, guide_trace: Trace) -> None:
             if draw is not None and draw.joint:
                 continue  # the shared dim of joint samples is summed outside every plate
             if site["type"] == "sample" and "_enumerate_dim" in site["infer"]:
-                symbol = site["infer"]["_dim_to_symbol"][site["infer"]["_enumerate_dim"]]
-                owners[symbol] = (name, _plate_symbols(site, trace))
+                plates = _plate_symbols(site, trace)
+                if plates:  # a latent outside every plate can be depended on by anything
+                    symbol = site["infer"]["_dim_to_symbol"][site["infer"]["_enumerate_dim"]]
+                    owners[symbol] = (name, plates)
+    if not owners:
+        return
     for trace in traces:
         for name, site in trace.nodes.items():
             if site["type"] != "sample":
                 continue
-            plates = _plate_symbols(site, trace)
-            batch = _batch_shape(site)
+            plates = batch = None
             for dim, symbol in site["infer"].get("_dim_to_symbol", {}).items():
+                owner = owners.get(symbol)
+                if owner is None:
+                    continue
+                if batch is None:
+                    plates, batch = _plate_symbols(site, trace), _batch_shape(site)
                 if -dim > len(batch) or batch[dim] == 1:
                     continue  # visible to the site, but its factor does not vary along it
-                owner = owners.get(symbol)
-                if owner is not None and not owner[1] <= plates:
+                if not owner[1] <= plates:
                     raise ValueError(
                         f"Site '{name}' depends on latent '{owner[0]}', which is inside a plate that "
                         f"'{name}' is not in. A variable outside a plate must never depend on one "
