@@ -70,7 +70,9 @@ def write_csv(rows, path):
 
 def read_csv(path):
     with open(path) as f:
-        return [{k: (v if k == "objective" else float(v)) for k, v in row.items()} for row in csv.DictReader(f)]
+        return [
+            {k: (v if k == "objective" else float(v)) for k, v in row.items()} for row in csv.DictReader(f)
+        ]
 
 
 def plot(runs, path):
@@ -78,6 +80,7 @@ def plot(runs, path):
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     colours = {"iwae": "tab:blue", "tmc": "tab:red"}
@@ -95,6 +98,7 @@ def plot(runs, path):
                 color=colours.get(objective),
                 label=f"trained with {objective.upper()}, evaluated with {estimator}",
             )
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.set_xlabel("epoch")
     ax.set_ylabel("test bound per image (nats, K=20)")
     ax.set_title("MNIST VAE, factorised recognition, plain gradients")
@@ -114,7 +118,8 @@ def markdown(runs):
         for r in rows:
             lines.append(
                 f"| {objective.upper()} | {int(r['epoch'])} | {r['train bound']:.1f} | "
-                f"{r['test IWAE']:.2f} ± {r['test IWAE se']:.2f} | {r['test TMC']:.2f} ± {r['test TMC se']:.2f} | "
+                f"{r['test IWAE']:.2f} ± {r['test IWAE se']:.2f} | "
+                f"{r['test TMC']:.2f} ± {r['test TMC se']:.2f} | "
                 f"{r['train s']:.0f} | {r['eval s']:.0f} |"
             )
     return "\n".join(lines) + "\n"
@@ -133,19 +138,25 @@ def combine(out):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--mnist", default=None, help="the pickled MNIST split (default: $PYRO_TMC_MNIST)")
     parser.add_argument("--out", default="results/vae_long", help="output folder (default: %(default)s)")
     parser.add_argument("--objective", choices=("iwae", "tmc"), default="tmc", help="training objective")
     parser.add_argument("--epochs", type=int, default=20, help="training epochs (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
-    parser.add_argument("--num-samples", type=int, default=20, help="K, training and test (default: %(default)s)")
+    parser.add_argument(
+        "--num-samples", type=int, default=20, help="K, training and test (default: %(default)s)"
+    )
     parser.add_argument("--batch-size", type=int, default=100, help="default: %(default)s")
     parser.add_argument("--train-size", type=int, default=None, help="first n training images (default: all)")
     parser.add_argument("--test-size", type=int, default=None, help="first n test images (default: all)")
     parser.add_argument("--max-steps", type=int, default=None, help="stop after n steps (timing)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--plot-only", action="store_true", help="combine the CSVs in --out into a figure and table")
+    parser.add_argument(
+        "--plot-only", action="store_true", help="combine the CSVs in --out into a figure and table"
+    )
     args = parser.parse_args()
     if args.plot_only:
         combine(args.out)
@@ -178,13 +189,26 @@ def main():
                 return
         train_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        row = {"objective": args.objective, "epoch": epoch, "steps": steps, "train bound": -sum(losses) / len(losses)}
+        row = {
+            "objective": args.objective,
+            "epoch": epoch,
+            "steps": steps,
+            "train bound": -sum(losses) / len(losses),
+        }
         for estimator in ("iwae", "tmc"):
             mean, se = evaluate_batches(
-                generative, recognition, estimator, test_images, args.num_samples, args.batch_size, args.seed + 1
+                generative,
+                recognition,
+                estimator,
+                test_images,
+                args.num_samples,
+                args.batch_size,
+                args.seed + 1,
             )
             row[f"test {estimator.upper()}"], row[f"test {estimator.upper()} se"] = mean, se
-        row.update({"train s": train_s, "eval s": time.perf_counter() - t0, "wall s": time.perf_counter() - start})
+        row.update(
+            {"train s": train_s, "eval s": time.perf_counter() - t0, "wall s": time.perf_counter() - start}
+        )
         rows.append(row)
         write_csv(rows, csv_path)
         print(
