@@ -22,7 +22,7 @@ own K particles; the non-factorised guides are drawn with ``proposal="mixture"``
 import argparse
 import dataclasses
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -245,14 +245,23 @@ def _label(config: TrainConfig) -> str:
 
 
 def run_grid(
-    configs: Sequence[TrainConfig], train_images: torch.Tensor, test_images: torch.Tensor, eval_samples: int
+    configs: Sequence[TrainConfig],
+    train_images: torch.Tensor,
+    test_images: torch.Tensor,
+    eval_samples: int,
+    on_row: Optional[Callable[[List[Dict]], None]] = None,
 ) -> List[Dict]:
     """
     Train every configuration and evaluate it under both objectives; unsupported ones are rows
     marked skipped, with the reason.
+
+    :param on_row: called with the rows so far after each configuration (e.g. to save them, so
+        that a run stopped by a time limit keeps what it finished).
     """
     rows = []
     for config in tqdm(configs, desc="vae grid"):
+        if on_row is not None and rows:
+            on_row(rows)
         row = {
             "recognition": config.recognition,
             "trained with": config.objective,
@@ -459,8 +468,12 @@ def run(args: argparse.Namespace) -> List[Dict]:
         f"VAE grid: {len(configs)} configurations, K={args.num_samples}, {args.epochs} epoch(s) "
         f"of batches of {args.batch_size}"
     )
-    rows = run_grid(configs, train_images, test_images, args.num_samples)
-    report.write_csv(rows, f"{out}/vae.csv")
+
+    def save(rows_so_far):
+        report.write_csv(rows_so_far, f"{out}/vae.csv")
+
+    rows = run_grid(configs, train_images, test_images, args.num_samples, on_row=save)
+    save(rows)
     columns = [
         "recognition",
         "trained with",
