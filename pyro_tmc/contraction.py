@@ -30,6 +30,8 @@ from pyro.ops.contract import contract_to_tensor
 from pyro.ops.rings import LogRing
 from pyro.ops.special import safe_log
 
+from ._pyro import _sequential_logmatmulexp
+
 
 @dataclass
 class ChunkedFactor:
@@ -258,8 +260,86 @@ def contract_log_factors(
     sum_dims = set("".join(t._pyro_dims for t in tensors)) - plates
     if _is_one_global_sum(tensors, sum_dims, plates):
         return _contract_one_global_sum(tensors, sum_dims, plate_scales)
-    tensors = fuse_factors(tensors, plates)
+    tensors = reduce_chains(fuse_factors(tensors, plates), plates)
+    sum_dims = set("".join(t._pyro_dims for t in tensors)) - plates
     return _contract(tensors, plate_scales, sum_dims)
+
+
+#: the shortest chain worth a tree: below this, the sequential contraction is as fast
+MIN_CHAIN_LENGTH = 4
+
+
+def reduce_chains(factors: List[torch.Tensor], plates: frozenset) -> List[torch.Tensor]:
+    """
+    Contract every chain of pairwise factors (``pyro.markov`` models: z_1 - z_2 - ... - z_N)
+    in O(log N) depth: the factors along the chain are stacked and multiplied by a balanced
+    tree of log-matmul-exps, and replaced by one factor between the chain's two ends. An
+    inner particle dim of a chain is held by exactly its two neighbouring pairwise factors,
+    which share one plate set and one particle count; unary factors were already fused into
+    them (:func:`fuse_factors`). The result is the same sum, in ~log2(N) steps, not N.
+    """
+    holders: Dict[str, List[int]] = {}
+    for i, term in enumerate(factors):
+        for d in term._pyro_dims:
+            if d not in plates:
+                holders.setdefault(d, []).append(i)
+    pairwise = {i for i, t in enumerate(factors) if len(set(t._pyro_dims) - plates) == 2}
+    sizes = {d: s for t in factors for d, s in zip(t._pyro_dims, t.shape)}
+
+    def inner(dim, plate_set) -> bool:
+        ends = holders.get(dim, [])
+        return (
+            len(ends) == 2
+            and all(i in pairwise for i in ends)
+            and all(plates.intersection(factors[i]._pyro_dims) == plate_set for i in ends)
+        )
+
+    used, chains = set(), []
+    for start in sorted(pairwise):
+        if start in used:
+            continue
+        plate_set = plates.intersection(factors[start]._pyro_dims)
+        left, right = sorted(set(factors[start]._pyro_dims) - plates)
+        nodes, edges = [left, right], [start]
+        for grow_right in (True, False):  # extend from both ends through inner dims
+            while True:
+                end = nodes[-1] if grow_right else nodes[0]
+                following = [i for i in holders.get(end, []) if i not in edges]
+                if not inner(end, plate_set) or len(following) != 1 or following[0] in used:
+                    break
+                (nxt,) = following
+                (other,) = set(factors[nxt]._pyro_dims) - plates - {end}
+                if other in nodes:
+                    break  # a cycle
+                if grow_right:
+                    nodes, edges = nodes + [other], edges + [nxt]
+                else:
+                    nodes, edges = [other] + nodes, [nxt] + edges
+        used.update(edges)
+        if len(edges) >= MIN_CHAIN_LENGTH and len({sizes[d] for d in nodes}) == 1:
+            chains.append((nodes, edges, plate_set))
+    if not chains:
+        return factors
+    replaced = set()
+    result = []
+    for nodes, edges, plate_set in chains:
+        batch = sorted(plate_set)
+        stack = torch.stack(
+            [_as_matrix(factors[i], batch, nodes[j], nodes[j + 1]) for j, i in enumerate(edges)], dim=-3
+        )
+        product = _sequential_logmatmulexp(stack)
+        product._pyro_dims = "".join(batch) + nodes[0] + nodes[-1]
+        result.append(product)
+        replaced.update(edges)
+    return [t for i, t in enumerate(factors) if i not in replaced] + result
+
+
+def _as_matrix(term: torch.Tensor, batch: List[str], row: str, col: str) -> torch.Tensor:
+    """A pairwise packed factor as a (plates..., row, col) matrix batch."""
+    order = batch + [row, col]
+    own = [d for d in order if d in term._pyro_dims]
+    tensor = term.permute(tuple(term._pyro_dims.index(d) for d in own))
+    return tensor.reshape([tensor.shape[own.index(d)] if d in own else 1 for d in order])
 
 
 def _is_one_global_sum(tensors, sum_dims, plates) -> bool:

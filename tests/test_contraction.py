@@ -2,6 +2,7 @@
 
 import math
 
+import opt_einsum
 import pytest
 import torch
 
@@ -164,3 +165,52 @@ def test_one_global_sum_fast_path_equals_general_contraction():
         assert torch.allclose(g1, g2, atol=1e-5)
     # a particle dim held only inside a plate is summed per element: not this path
     assert not _is_one_global_sum([packed("ka")], {"k"}, frozenset(scales))
+
+
+def _chain_factors(length, size, plate_size=None, seed=0):
+    """Pairwise log factors z_0 - z_1 - ... - z_length (optionally in a plate), unary terms, a side branch."""
+    torch.manual_seed(seed)
+    symbols = "".join(opt_einsum.get_symbol(i) for i in range(200, 201 + length))
+    plate = "P" if plate_size else ""
+    shape = [plate_size] if plate_size else []
+
+    def packed(dims, extra=()):
+        t = (3 * torch.randn(shape + [size] * len(dims) + list(extra))).requires_grad_()
+        t._pyro_dims = plate + dims
+        return t
+
+    factors = [packed(symbols[i] + symbols[i + 1]) for i in range(length)]
+    factors += [packed(symbols[i]) for i in range(0, length + 1, 3)]  # unary terms
+    factors.append(packed(symbols[0] + "Z"))  # a side branch at the chain's start
+    return factors, ({"P": 2.0} if plate_size else {})
+
+
+@pytest.mark.parametrize("length", [4, 5, 9, 30])
+@pytest.mark.parametrize("plate_size", [None, 3])
+def test_log_depth_chain_equals_sequential_contraction(length, plate_size, monkeypatch):
+    """
+    Chains of pairwise factors contracted by a balanced tree (contraction.reduce_chains) give
+    the sequential contraction's value and gradients, inside a plate (scaled) and outside.
+    """
+    from pyro_tmc import contraction
+
+    factors, scales = _chain_factors(length, 4, plate_size)
+    tree = contraction.contract_log_factors(factors, scales)
+    monkeypatch.setattr(contraction, "MIN_CHAIN_LENGTH", 10**9)  # the sequential path
+    sequential = contraction.contract_log_factors(factors, scales)
+    assert torch.allclose(tree, sequential, rtol=1e-5, atol=1e-4)
+    for g1, g2 in zip(torch.autograd.grad(tree, factors), torch.autograd.grad(sequential, factors)):
+        assert torch.allclose(g1, g2, rtol=1e-4, atol=1e-5)
+
+
+def test_log_depth_chain_all_underflow_rows_stay_finite():
+    """Rows that are -inf everywhere (impossible particles) give -inf messages, not NaN."""
+    from pyro_tmc import contraction
+
+    factors, scales = _chain_factors(8, 3)
+    with torch.no_grad():
+        factors[2][0].fill_(-math.inf)  # particle 0 of z_2 is impossible given any z_3
+    value = contraction.contract_log_factors(factors, scales)
+    assert torch.isfinite(value)
+    (grad,) = torch.autograd.grad(value, [factors[2]])
+    assert not torch.isnan(grad).any()
