@@ -141,18 +141,21 @@ def fuse_factors(factors: Sequence[torch.Tensor], plates: Iterable[str]) -> List
         key = frozenset(term._pyro_dims)
         groups[key] = _add(groups[key], term) if key in groups else term
     fused: List[torch.Tensor] = []
+    fused_dims: List[frozenset] = []
+    holding: Dict[str, List[int]] = {}  # dim -> the fused terms that hold it (a host holds every dim)
     for key in sorted(groups, key=lambda k: -groups[k].numel()):
         term = groups[key]
-        hosts = [
-            i
-            for i, big in enumerate(fused)
-            if key <= set(big._pyro_dims) and plates & key == plates & set(big._pyro_dims)
-        ]
+        # Only the terms holding the key's rarest dim can host it: a lookup, not a scan of all.
+        candidates = min((holding.get(d, []) for d in key), key=len) if key else range(len(fused))
+        hosts = [i for i in candidates if key <= fused_dims[i] and plates & key == plates & fused_dims[i]]
         if hosts:
             i = min(hosts, key=lambda i: fused[i].numel())
             fused[i] = _add(fused[i], term)
         else:
+            for d in key:
+                holding.setdefault(d, []).append(len(fused))
             fused.append(term)
+            fused_dims.append(key)
     return fused
 
 
