@@ -29,6 +29,7 @@ from . import log_density
 from .contraction import ChunkedFactor, contract_log_factors
 from .proposals import proposal_log_prob
 from .scales import ScalePlan, plan_scales
+from .shapes import broadcast_shape
 
 
 class LogFactor(NamedTuple):
@@ -112,7 +113,7 @@ def _chunked_log_prob(site, extra_scale, max_factor_elements: int, mask) -> Chun
         part = value.narrow(batch_ndim + particle_dim, start, stop - start)
         return pack(scale_and_mask(_log_prob(site, part), extra_scale, mask), dim_to_symbol)
 
-    batch = torch.broadcast_shapes(value.shape[:batch_ndim], fn.batch_shape)
+    batch = broadcast_shape(value.shape[:batch_ndim], fn.batch_shape)
     dims = "".join(dim_to_symbol[d - len(batch)] for d, size in enumerate(batch) if size > 1)
     return ChunkedFactor(site["name"], dims, symbol, num_particles, chunk, compute)
 
@@ -328,7 +329,7 @@ def particle_shape(site) -> torch.Size:
         if frame.vectorized:
             plate = [1] * -frame.dim
             plate[frame.dim] = frame.size
-            shape = torch.broadcast_shapes(shape, tuple(plate))
+            shape = broadcast_shape(shape, plate)
     return shape
 
 
@@ -413,7 +414,7 @@ def check_plate_dependencies(model_trace: Trace, guide_trace: Trace) -> None:
 def _batch_shape(site) -> torch.Size:
     """The shape of the site's log density: its value's batch shape broadcast with its distribution's."""
     value = site["value"]
-    return torch.broadcast_shapes(value.shape[: value.dim() - site["fn"].event_dim], site["fn"].batch_shape)
+    return broadcast_shape(value.shape[: value.dim() - site["fn"].event_dim], site["fn"].batch_shape)
 
 
 def _plate_symbols(site, trace: Trace) -> frozenset:

@@ -22,6 +22,8 @@ import math
 import torch
 from torch.distributions import Distribution, Independent, Normal
 
+from .shapes import broadcast_shape
+
 #: below this many units the elementwise route is as fast
 MIN_UNITS = 8
 
@@ -44,7 +46,7 @@ def scalar_gaussian_log_prob(fn: Distribution, value: torch.Tensor):
     if type(fn).log_prob is not Normal.log_prob or isinstance(fn, Independent):
         return None
     loc, scale = fn.loc, fn.scale
-    if value.numel() >= math.prod(torch.broadcast_shapes(value.shape, loc.shape)):
+    if value.numel() >= math.prod(broadcast_shape(value.shape, loc.shape)):
         return None
     diff = value - loc
     bias = -scale.log() - 0.5 * math.log(2 * math.pi)
