@@ -74,12 +74,11 @@ def _pack(site, tensor: torch.Tensor, dim_to_symbol) -> torch.Tensor:
     try:
         return pack(tensor, dim_to_symbol)
     except ValueError as error:
-        dims = {d: s for d, s in dim_to_symbol.items()}
         raise ValueError(
             f"The log density of site '{site['name']}' has shape {tuple(tensor.shape)}, which does not fit "
-            f"its plates and particle dims (dims {sorted(dims)}): a value was probably broadcast so that "
-            "particles landed on a plate dim or the reverse. See 'Writing models for TMC: broadcasting "
-            "and Vindex' in the README."
+            f"its plates and particle dims (dims {sorted(dim_to_symbol)}): a value was probably "
+            "broadcast so that particles landed on a plate dim or the reverse. See 'Writing models "
+            "for TMC: broadcasting and Vindex' in the README."
         ) from error
 
 
@@ -340,7 +339,7 @@ def contract_estimate(factors: List["LogFactor"], model_trace: Trace) -> torch.T
     return estimate if plan.root == 1.0 else estimate * plan.root
 
 
-def plate_scale_of(site, model_trace: Trace) -> float:
+def carried_scale(site, model_trace: Trace) -> float:
     """
     What multiplies the site's factor from outside it (subsampling, and the
     poutine.scale carried by the estimate and its plates): the gradient with

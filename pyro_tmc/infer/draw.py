@@ -32,6 +32,7 @@ from pyro.util import check_model_guide_match, check_traceenum_requirements
 
 from ..factors import (
     LogFactor,
+    carried_scale,
     check_finite,
     check_plate_dependencies,
     check_site_shapes,
@@ -40,7 +41,6 @@ from ..factors import (
     is_summed_exactly,
     latent_site,
     particle_shape,
-    plate_scale_of,
     symbolize,
 )
 from ..poutine import TMCMessenger
@@ -179,7 +179,7 @@ class TMCDraw:
         weights = {}
         for (name, source), grad in zip(sources.items(), grads):
             grad = torch.zeros_like(source) if grad is None else grad
-            weights[name] = grad / plate_scale_of(self.site(name), self.model_trace)
+            weights[name] = grad / carried_scale(self.site(name), self.model_trace)
         return weights
 
     # -- the posterior ---------------------------------------------------------------
@@ -227,13 +227,7 @@ def replay_guide(guide, leaf_trace: Trace, args, kwargs, settings: DrawSettings)
     The guide replayed on ``leaf_trace``'s particles, continuing the dim
     allocation, so that the Delta sites it recomputes keep their particle dims.
     """
-    messenger = TMCMessenger(
-        settings.num_samples,
-        settings.proposal,
-        replayed_sites=latent_site_names(leaf_trace),
-        continue_allocation=True,
-        joint_dim=joint_dim(leaf_trace) if settings.joint else None,
-    )
+    messenger = continuing_messenger(leaf_trace, settings)
     return poutine.trace(poutine.replay(messenger(guide), trace=leaf_trace)).get_trace(*args, **kwargs)
 
 
@@ -241,15 +235,20 @@ def run_model(model, guide_trace: Trace, args, kwargs, settings: DrawSettings) -
     """The model against the guide's particles (latents it alone has get their own)."""
     # The model's handler continues the guide's dim allocation, and sits
     # inside the replay so that it sees the model's own markov scopes.
-    messenger = TMCMessenger(
-        settings.num_samples,
-        settings.proposal,
-        replayed_sites=latent_site_names(guide_trace),
-        continue_allocation=True,
-        joint_dim=joint_dim(guide_trace) if settings.joint else None,
-    )
+    messenger = continuing_messenger(guide_trace, settings)
     run = poutine.trace(poutine.replay(messenger(model), trace=guide_trace)).get_trace
     return run_with_shape_hint(messenger, "model", run, args, kwargs)
+
+
+def continuing_messenger(replayed: Trace, settings: DrawSettings) -> TMCMessenger:
+    """A ``tmc`` handler that continues the dim allocation of a run whose trace it replays."""
+    return TMCMessenger(
+        settings.num_samples,
+        settings.proposal,
+        replayed_sites=latent_site_names(replayed),
+        continue_allocation=True,
+        joint_dim=joint_dim(replayed) if settings.joint else None,
+    )
 
 
 def joint_dim(trace: Trace):

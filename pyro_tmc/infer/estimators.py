@@ -22,6 +22,7 @@ import torch
 
 from pyro.poutine import Trace
 
+from ..factors import carried_scale
 from ..proposals import proposal_log_prob
 from .draw import DrawSettings, TMCDraw
 from .path_gradients import check_factorised, path_surrogate, reparameterised_latents
@@ -118,19 +119,12 @@ class StickingTheLanding(GradientEstimator):
             weights = {}
             for (name, source), grad in zip(sources.items(), grads[len(draw.leaves) :]):
                 grad = torch.zeros_like(source) if grad is None else grad
-                weights[name] = grad / draw_scale(draw, name)
+                weights[name] = grad / carried_scale(draw.site(name), draw.model_trace)
             event_dims = {name: draw.live_trace.nodes[name]["fn"].event_dim for name in names}
         live_values = {name: draw.live_trace.nodes[name]["value"] for name in names}
         # Model parameters: log P with the guide's density stopped and its particles as leaves.
         plain = draw.log_estimate(detach_guide_proposals=True)
         return plain + path_surrogate(live_values, value_grads, weights, event_dims)
-
-
-def draw_scale(draw: TMCDraw, name: str):
-    """What scales site ``name``'s factor from outside it (a source's gradient is the marginal times this)."""
-    from ..factors import plate_scale_of
-
-    return plate_scale_of(draw.site(name), draw.model_trace)
 
 
 @register_estimator("dregs")

@@ -53,7 +53,7 @@ import torch
 
 from pyro.poutine import Trace
 
-from ..poutine.tmc_messenger import is_point_mass
+from ..factors import is_point_mass_site
 
 
 def reparameterised_latents(guide_trace: Trace, estimator: str) -> List[str]:
@@ -115,7 +115,7 @@ def with_leaf_values(
 
 def _is_delta_latent(site) -> bool:
     """A Delta latent of the guide: its value is a function of other particles."""
-    return site["type"] == "sample" and not site["is_observed"] and is_point_mass(site["fn"])
+    return site["type"] == "sample" and not site["is_observed"] and is_point_mass_site(site)
 
 
 def marginal_sources(sites, particle_shape) -> Dict[str, torch.Tensor]:

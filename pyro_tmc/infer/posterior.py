@@ -29,7 +29,7 @@ from pyro.distributions import Categorical, Empirical
 from pyro.poutine import Trace
 
 from ..contraction import contract_log_factors
-from ..factors import guide_only_sites, plate_scales
+from ..factors import guide_only_sites, is_point_mass_site, plate_scales
 
 #: the packed symbol of the draws' batch dim (outside opt_einsum's generated range)
 DRAWS = "\u2203"
@@ -63,7 +63,7 @@ def point_mass_sites(model_trace: Trace) -> List[str]:
     return [
         name
         for name, site in model_trace.nodes.items()
-        if site["type"] == "sample" and not site["is_observed"] and "_enumerate_dim" not in site["infer"]
+        if site["type"] == "sample" and not site["is_observed"] and is_point_mass_site(site)
     ]
 
 
