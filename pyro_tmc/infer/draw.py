@@ -43,6 +43,7 @@ from ..factors import (
     particle_shape,
     symbolize,
 )
+from ..compiled import EstimateProgram
 from ..poutine import TMCMessenger
 from .path_gradients import marginal_sources, with_leaf_values
 
@@ -58,6 +59,8 @@ class DrawSettings:
     :param int max_factor_bytes: a memory budget per log factor, or ``None``.
     :param bool joint: every sampled latent shares one particle dim: K joint
         samples of the guide, as IWAE draws them, instead of K per site.
+    :param EstimateProgram program: where the estimate is computed by a cached
+        graph per plan (``TMC_ELBO(compile=...)``); ``None`` computes it eagerly.
     """
 
     num_samples: int
@@ -66,6 +69,8 @@ class DrawSettings:
     max_factor_bytes: Optional[int] = None
     #: every latent on one shared particle dim (IWAE's K joint samples)
     joint: bool = False
+    #: the loss's cache of estimate programs (:mod:`pyro_tmc.compiled`), or ``None``: eager
+    program: Optional[EstimateProgram] = None
 
     def max_factor_elements(self) -> Optional[int]:
         if self.max_factor_bytes is None:
@@ -158,6 +163,11 @@ class TMCDraw:
         :param bool detach_guide_proposals: stop the gradient through the guide's density.
         :raises ValueError: naming the site, if the estimate is not finite.
         """
+        if self.settings.program is not None:
+            estimate = self.settings.program.log_estimate(self, sources, detach_guide_proposals)
+            if estimate is not None and torch.isfinite(estimate).all():
+                return estimate
+            # not finite, or no program for this plan: the eager path (whose check names the site)
         factors = self.factors(sources, detach_guide_proposals)
         estimate = contract_estimate(factors, self.model_trace)
         check_finite(factors, estimate, self.model_trace)

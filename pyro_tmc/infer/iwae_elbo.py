@@ -1,5 +1,6 @@
 """IWAE_ELBO: the importance-weighted bound with K joint samples, the baseline beside TMC_ELBO."""
 
+import dataclasses
 from typing import Optional
 
 from .draw import DrawSettings, TMCDraw
@@ -56,9 +57,7 @@ class IWAE_ELBO(TMC_ELBO):
         )
 
     def _settings(self) -> DrawSettings:
-        return DrawSettings(
-            self.num_samples, self.proposal, self.max_plate_nesting, self.max_factor_bytes, joint=True
-        )
+        return dataclasses.replace(super()._settings(), joint=True)
 
     def _checked(self, draw: TMCDraw) -> TMCDraw:
         for trace, where in ((draw.guide_trace, "in the guide"), (draw.model_trace, "drawn from the prior")):

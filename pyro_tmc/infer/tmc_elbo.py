@@ -7,6 +7,7 @@ import torch
 
 from pyro.util import warn_if_nan
 
+from ..compiled import EstimateProgram
 from ..poutine.tmc_messenger import check_num_samples
 from ..proposals import check_proposal
 from .base import DifferentiableLossELBO
@@ -57,6 +58,14 @@ class TMC_ELBO(DifferentiableLossELBO):
         larger than this is computed and summed out in slices along the site's
         particle dim (with activation checkpointing), same result; ``None``
         (default) materialises every factor, which is fastest.
+    :param str compile: ``None`` (default): the estimate is computed eagerly.
+        ``"graph"``: the estimate's tensor operations are traced once per model
+        structure and shapes, then replayed on each step's tensors without the
+        Python that built them (:mod:`pyro_tmc.compiled`). ``"inductor"``: that
+        graph is also compiled by ``torch.compile``, which fuses each large
+        factor's log density with its reduction. Values and gradients equal the
+        eager path's; a model whose estimate cannot be traced runs eagerly, with
+        one warning.
 
     References
 
@@ -73,12 +82,15 @@ class TMC_ELBO(DifferentiableLossELBO):
         num_particles: int = 1,
         vectorize_particles: bool = False,
         max_factor_bytes: Optional[int] = None,
+        compile: Optional[str] = None,
         **kwargs,
     ) -> None:
         self.num_samples = check_num_samples(num_samples, "TMC_ELBO(num_samples)")
         if max_factor_bytes is not None and max_factor_bytes <= 0:
             raise ValueError(f"max_factor_bytes must be positive or None, got {max_factor_bytes}.")
         self.max_factor_bytes = max_factor_bytes
+        self.compile = compile
+        self.program = None if compile is None else EstimateProgram(compile)
         self.proposal = check_proposal(proposal)
         self.estimator = self._make_estimator(variance_reduction)
         self.variance_reduction = variance_reduction
@@ -96,7 +108,13 @@ class TMC_ELBO(DifferentiableLossELBO):
     # -- draws ---------------------------------------------------------------
 
     def _settings(self) -> DrawSettings:
-        return DrawSettings(self.num_samples, self.proposal, self.max_plate_nesting, self.max_factor_bytes)
+        return DrawSettings(
+            self.num_samples,
+            self.proposal,
+            self.max_plate_nesting,
+            self.max_factor_bytes,
+            program=self.program,
+        )
 
     def _checked(self, draw: TMCDraw) -> TMCDraw:
         """A hook for subclasses that restrict the models they take."""

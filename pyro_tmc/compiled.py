@@ -1,0 +1,278 @@
+"""A draw's estimate as one cached tensor program, optionally fused by ``torch.compile``.
+
+Building log P_TMC from two traces is Python work repeated identically at every
+step of one model: reading each site, choosing its density, packing dims, fusing
+small factors into large ones, planning the contraction. Only the tensors change.
+So, per *plan* (everything about a draw except its tensor values):
+
+1. the traces are flattened into the tensors they hold (distribution parameters,
+   values, masks, ancestors, sources) and a hashable key for the rest
+   (:func:`flatten_draw`);
+2. on the first draw with that key, the eager code (:func:`pyro_tmc.factors.compute_log_factors`
+   and :func:`pyro_tmc.factors.contract_estimate`, unchanged) is traced by
+   ``make_fx`` into a graph of tensor operations, with fake tensors, so that any
+   branch on a tensor's value fails loudly instead of being baked in;
+3. that graph is replayed on each later draw's tensors, eagerly (``"graph"``: no
+   Python between the operations) or compiled by ``torch.compile``
+   (``"inductor"``: each large factor's log density fused with its reduction,
+   as a hand-written compiled step would be).
+
+A draw the tracer cannot handle (a branch on tensor values, a tensor that is not
+among the inputs, a memory budget) falls back to the eager path, with one
+warning per plan. A shape change is a new key, hence a new graph: the graph is
+traced again only when the plan changes.
+"""
+
+import dataclasses
+import math
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch.distributions import Distribution
+
+from .factors import check_finite, compute_log_factors, contract_estimate
+
+MODES = (None, "graph", "inductor")
+
+
+class _Leaf:
+    """A placeholder for the i-th input tensor."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+class _Flattener:
+    """
+    Walks site dicts and replaces every tensor by a :class:`_Leaf`, recording a key
+    for the rest. Distributions and dataclasses are copied field by field; an
+    object of any other type is kept as it is and keyed by its type (it holds no
+    tensor the graph reads: a captured tensor would appear as a graph constant,
+    which :func:`trace_graph` refuses).
+    """
+
+    def __init__(self) -> None:
+        self.tensors: List[torch.Tensor] = []
+        self._index: Dict[int, int] = {}
+        self.key: List[Any] = []
+
+    def leaf(self, tensor: torch.Tensor) -> _Leaf:
+        index = self._index.get(id(tensor))
+        if index is None:
+            index = self._index[id(tensor)] = len(self.tensors)
+            self.tensors.append(tensor)
+            self.key.append(
+                ("T", tuple(tensor.shape), tensor.stride(), tensor.dtype, tensor.device, tensor.requires_grad)
+            )
+            self.key.append(tuple(sorted(getattr(tensor, "__dict__", {}))))  # _pyro_dims and the like
+        else:
+            self.key.append(("alias", index))
+        return _Leaf(index)
+
+    def walk(self, obj):
+        if isinstance(obj, torch.Tensor):
+            return self.leaf(obj)
+        if obj is None or isinstance(obj, (bool, int, float, str, torch.dtype, torch.device)):
+            self.key.append(obj)
+            return obj
+        if isinstance(obj, (list, tuple)):
+            self.key.append((type(obj).__name__, len(obj)))
+            items = [self.walk(item) for item in obj]
+            if hasattr(obj, "_fields"):  # a namedtuple
+                return type(obj)(*items)
+            return type(obj)(items)
+        if isinstance(obj, dict):
+            self.key.append(("dict", tuple(k for k in obj if isinstance(k, (str, int)))))
+            return {k: self.walk(v) for k, v in obj.items()}
+        if isinstance(obj, (Distribution, torch.Size)) or dataclasses.is_dataclass(obj):
+            if isinstance(obj, torch.Size):
+                self.key.append(tuple(obj))
+                return obj
+            self.key.append(("obj", type(obj)))
+            copy = object.__new__(type(obj))
+            copy.__dict__.update({k: self.walk(v) for k, v in vars(obj).items()})
+            return copy
+        self.key.append(("opaque", type(obj)))
+        return obj
+
+
+def _fill(obj, inputs: List[torch.Tensor]):
+    """The flattened object with each :class:`_Leaf` replaced by its input tensor."""
+    if isinstance(obj, _Leaf):
+        return inputs[obj.index]
+    if isinstance(obj, (list, tuple)):
+        items = [_fill(item, inputs) for item in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    if isinstance(obj, dict):
+        return {k: _fill(v, inputs) for k, v in obj.items()}
+    if isinstance(obj, Distribution) or dataclasses.is_dataclass(obj):
+        copy = object.__new__(type(obj))
+        copy.__dict__.update({k: _fill(v, inputs) for k, v in vars(obj).items()})
+        return copy
+    return obj
+
+
+class _TraceView:
+    """What the factor code reads of a trace: its sample sites and (model) scale plan."""
+
+    def __init__(self, nodes, tmc_scales=None) -> None:
+        self.nodes = nodes
+        if tmc_scales is not None:
+            self.tmc_scales = tmc_scales
+
+
+@dataclasses.dataclass
+class FlatDraw:
+    """A draw's tensors and a template to rebuild its traces around other tensors."""
+
+    tensors: List[torch.Tensor]
+    template: Tuple[dict, dict, Any]
+    key: tuple
+    tensor_attributes: List[dict]
+
+    def traces(self, inputs: List[torch.Tensor]) -> Tuple[_TraceView, _TraceView]:
+        model_nodes, guide_nodes, scales = _fill(self.template, inputs)
+        return _TraceView(model_nodes, scales), _TraceView(guide_nodes)
+
+
+def _sample_sites(trace) -> dict:
+    return {name: site for name, site in trace.nodes.items() if site["type"] == "sample"}
+
+
+def flatten_draw(draw, sources: Optional[Dict[str, torch.Tensor]], detach_guide_proposals: bool) -> FlatDraw:
+    """Flatten a draw's traces (their sample sites and scale plan) into tensors and a key."""
+    flattener = _Flattener()
+    template = flattener.walk(
+        (
+            _sample_sites(draw.model_trace),
+            _sample_sites(draw.guide_trace),
+            draw.model_trace.tmc_scales,
+        )
+    )
+    source_template = flattener.walk(dict(sources or {}))
+    flattener.key.append(("detach", detach_guide_proposals))
+    attributes = [dict(getattr(t, "__dict__", {})) for t in flattener.tensors]
+    flat = FlatDraw(flattener.tensors, template, tuple(flattener.key), attributes)
+    flat.source_template = source_template
+    return flat
+
+
+class GraphFallback(Exception):
+    """The draw cannot be traced into a graph; the eager path is used."""
+
+
+def _estimate_function(flat: FlatDraw, settings, detach_guide_proposals: bool) -> Callable:
+    max_factor_elements = settings.max_factor_elements()
+
+    def estimate(*inputs: torch.Tensor) -> torch.Tensor:
+        inputs = list(inputs)
+        for tensor, attributes in zip(inputs, flat.tensor_attributes):
+            for name, value in attributes.items():
+                setattr(tensor, name, value)
+        model_trace, guide_trace = flat.traces(inputs)
+        sources = _fill(flat.source_template, inputs)
+        factors = compute_log_factors(
+            model_trace, guide_trace, sources, detach_guide_proposals, max_factor_elements
+        )
+        return contract_estimate(factors, model_trace)
+
+    return estimate
+
+
+def trace_graph(flat: FlatDraw, settings, detach_guide_proposals: bool) -> torch.fx.GraphModule:
+    """
+    The eager estimate traced into a graph of tensor operations, with fake tensors.
+
+    :raises GraphFallback: where tracing fails, or the graph holds a tensor that is
+        not one of its inputs (it would be the first draw's forever).
+    """
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    function = _estimate_function(flat, settings, detach_guide_proposals)
+    try:
+        graph = make_fx(function, tracing_mode="fake")(*flat.tensors)
+    except Exception as error:  # any failure: the eager path is always right
+        raise GraphFallback(f"{type(error).__name__}: {error}") from error
+    constants = [node.target for node in graph.graph.nodes if node.op == "get_attr"]
+    if constants:
+        raise GraphFallback(
+            f"the estimate reads tensors that are not the draw's inputs ({', '.join(constants)}); "
+            "a tensor captured by a distribution or closure would be frozen at its first value"
+        )
+    return graph
+
+
+class EstimateProgram:
+    """
+    The cache of traced (and optionally compiled) estimate graphs of one loss,
+    keyed by plan.
+
+    :param str mode: ``"graph"`` (replay the traced operations eagerly) or
+        ``"inductor"`` (``torch.compile`` them: fused kernels).
+    """
+
+    def __init__(self, mode: str) -> None:
+        if mode not in MODES[1:]:
+            raise ValueError(f"compile must be one of {MODES}, got {mode!r}")
+        self.mode = mode
+        self._programs: Dict[tuple, Optional[Callable]] = {}
+        self.traces = 0  # how many graphs were traced (a test reads it)
+
+    def log_estimate(
+        self, draw, sources: Optional[Dict[str, torch.Tensor]], detach_guide_proposals: bool
+    ) -> Optional[torch.Tensor]:
+        """``log P_TMC`` of the draw by its plan's program, or ``None`` where the eager path must run."""
+        if draw.settings.max_factor_bytes is not None:
+            return None  # chunked factors checkpoint their slices: eager only
+        flat = flatten_draw(draw, sources, detach_guide_proposals)
+        program = self._programs.get(flat.key, _MISSING)
+        if program is _MISSING:
+            program = self._build(flat, draw.settings, detach_guide_proposals)
+            self._programs[flat.key] = program
+        if program is None:
+            return None
+        try:
+            return program(*flat.tensors)
+        except Exception as error:
+            self._programs[flat.key] = None
+            _warn_fallback(f"{type(error).__name__}: {error}")
+            return None
+
+    def _build(self, flat: FlatDraw, settings, detach_guide_proposals: bool) -> Optional[Callable]:
+        try:
+            graph = trace_graph(flat, settings, detach_guide_proposals)
+        except GraphFallback as reason:
+            _warn_fallback(str(reason))
+            return None
+        self.traces += 1
+        if self.mode == "inductor":
+            return torch.compile(graph, dynamic=False)
+        return graph
+
+
+_MISSING = object()
+
+
+def _warn_fallback(reason: str) -> None:
+    reason = " ".join(reason.split())
+    if len(reason) > 300:
+        reason = reason[:300] + "..."
+    warnings.warn(
+        f"pyro_tmc could not trace this model's estimate into a graph; it runs eagerly instead "
+        f"(same values, no speed-up). Reason: {reason}",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
+def checked(estimate: torch.Tensor, eager: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """The program's estimate, or, where it is not finite, the eager path's (whose check names the site)."""
+    if torch.isfinite(estimate).all():
+        return estimate
+    return eager()
+
+
+__all__ = ["EstimateProgram", "flatten_draw", "trace_graph", "GraphFallback", "check_finite", "math"]
