@@ -111,8 +111,27 @@ def _fill(obj, inputs: List[torch.Tensor]):
     if isinstance(obj, Distribution) or dataclasses.is_dataclass(obj):
         copy = object.__new__(type(obj))
         copy.__dict__.update({k: _fill(v, inputs) for k, v in vars(obj).items()})
+        if isinstance(copy, Distribution):
+            # a support check branches on values: it runs eagerly instead (validate_samples)
+            copy._validate_args = False
         return copy
     return obj
+
+
+def validate_samples(draw) -> None:
+    """
+    The checks that ``log_prob`` makes under validation (each value in its
+    distribution's support and of a fitting shape), run eagerly: a graph cannot
+    branch on values, so its distributions skip them.
+    """
+    for trace in (draw.model_trace, draw.guide_trace):
+        for site in trace.nodes.values():
+            fn = site.get("fn")
+            if site["type"] == "sample" and getattr(fn, "_validate_args", False):
+                try:
+                    fn._validate_sample(site["value"])
+                except ValueError as error:
+                    raise ValueError(f"Error while computing log_prob at site '{site['name']}': {error}") from error
 
 
 class _TraceView:
@@ -227,6 +246,7 @@ class EstimateProgram:
         """``log P_TMC`` of the draw by its plan's program, or ``None`` where the eager path must run."""
         if draw.settings.max_factor_bytes is not None:
             return None  # chunked factors checkpoint their slices: eager only
+        validate_samples(draw)
         flat = flatten_draw(draw, sources, detach_guide_proposals)
         program = self._programs.get(flat.key, _MISSING)
         if program is _MISSING:
