@@ -75,37 +75,53 @@ class _Flattener:
     def walk(self, obj):
         if isinstance(obj, torch.Tensor):
             return self.leaf(obj)
-        if obj is None or isinstance(obj, (bool, int, float, str, torch.dtype, torch.device)):
+        kind = type(obj)
+        if kind in _ATOMS:
             self.key.append(obj)
             return obj
-        if isinstance(obj, (list, tuple)):
-            self.key.append((type(obj).__name__, len(obj)))
-            items = [self.walk(item) for item in obj]
-            if hasattr(obj, "_fields"):  # a namedtuple
-                return type(obj)(*items)
-            return type(obj)(items)
-        if isinstance(obj, dict):
-            self.key.append(("dict", tuple(k for k in obj if isinstance(k, (str, int)))))
-            return {k: self.walk(v) for k, v in obj.items()}
-        if isinstance(obj, (Distribution, torch.Size)) or dataclasses.is_dataclass(obj):
-            if isinstance(obj, torch.Size):
-                self.key.append(tuple(obj))
+        if kind is tuple or kind is list:
+            self.key.append((kind, len(obj)))
+            return kind(self.walk(item) for item in obj)
+        if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple (a plate frame)
+            if all(type(item) in _ATOMS for item in obj):
+                self.key.append(obj)
                 return obj
-            self.key.append(("obj", type(obj)))
-            copy = object.__new__(type(obj))
+            self.key.append(kind)
+            return kind(*(self.walk(item) for item in obj))
+        if isinstance(obj, dict):
+            self.key.append((dict, tuple(obj)))
+            return {k: self.walk(v) for k, v in obj.items()}
+        if isinstance(obj, Distribution) or dataclasses.is_dataclass(obj):
+            self.key.append(kind)
+            copy = object.__new__(kind)
             copy.__dict__.update({k: self.walk(v) for k, v in vars(obj).items()})
             return copy
-        self.key.append(("opaque", type(obj)))
+        self.key.append(("opaque", kind))
         return obj
+
+    def walk_site(self, site: dict) -> dict:
+        """The fields of a sample site that the factors read (see ``SITE_FIELDS``)."""
+        return {field: self.walk(site[field]) for field in SITE_FIELDS}
+
+
+#: immutable values that go into the key as they are
+_ATOMS = frozenset([type(None), bool, int, float, str, torch.dtype, torch.device, torch.Size])
+
+#: what :mod:`pyro_tmc.factors` reads of a sample site
+SITE_FIELDS = ("name", "type", "is_observed", "fn", "value", "args", "kwargs", "infer", "scale", "mask", "cond_indep_stack")
 
 
 def _fill(obj, inputs: List[torch.Tensor]):
     """The flattened object with each :class:`_Leaf` replaced by its input tensor."""
     if isinstance(obj, _Leaf):
         return inputs[obj.index]
-    if isinstance(obj, (list, tuple)):
-        items = [_fill(item, inputs) for item in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    kind = type(obj)
+    if kind in _ATOMS:
+        return obj
+    if kind is tuple or kind is list:
+        return kind(_fill(item, inputs) for item in obj)
+    if isinstance(obj, tuple):  # a namedtuple
+        return kind(*(_fill(item, inputs) for item in obj))
     if isinstance(obj, dict):
         return {k: _fill(v, inputs) for k, v in obj.items()}
     if isinstance(obj, Distribution) or dataclasses.is_dataclass(obj):
@@ -157,19 +173,19 @@ class FlatDraw:
         return _TraceView(model_nodes, scales), _TraceView(guide_nodes)
 
 
-def _sample_sites(trace) -> dict:
-    return {name: site for name, site in trace.nodes.items() if site["type"] == "sample"}
+def _sample_sites(flattener: _Flattener, trace) -> dict:
+    return {
+        name: flattener.walk_site(site) for name, site in trace.nodes.items() if site["type"] == "sample"
+    }
 
 
 def flatten_draw(draw, sources: Optional[Dict[str, torch.Tensor]], detach_guide_proposals: bool) -> FlatDraw:
     """Flatten a draw's traces (their sample sites and scale plan) into tensors and a key."""
     flattener = _Flattener()
-    template = flattener.walk(
-        (
-            _sample_sites(draw.model_trace),
-            _sample_sites(draw.guide_trace),
-            draw.model_trace.tmc_scales,
-        )
+    template = (
+        _sample_sites(flattener, draw.model_trace),
+        _sample_sites(flattener, draw.guide_trace),
+        flattener.walk(draw.model_trace.tmc_scales),
     )
     source_template = flattener.walk(dict(sources or {}))
     flattener.key.append(("detach", detach_guide_proposals))
