@@ -94,7 +94,8 @@ class _Flattener:
         if isinstance(obj, Distribution) or dataclasses.is_dataclass(obj):
             self.key.append(kind)
             copy = object.__new__(kind)
-            copy.__dict__.update({k: self.walk(v) for k, v in vars(obj).items()})
+            # _validate_args is not part of the plan: a graph never validates (validate_samples)
+            copy.__dict__.update({k: self.walk(v) for k, v in vars(obj).items() if k != "_validate_args"})
             return copy
         self.key.append(("opaque", kind))
         return obj
@@ -285,11 +286,29 @@ class EstimateProgram:
             return None
         self.traces += 1
         if self.mode == "inductor":
-            return torch.compile(graph, dynamic=False)
+            return _keeping_validation_default(torch.compile(graph, dynamic=False))
         return graph
 
 
 _MISSING = object()
+
+
+def _keeping_validation_default(compiled: Callable) -> Callable:
+    """
+    The compiled program, run so that it leaves torch.distributions' default
+    validation as it found it: on first use, TorchDynamo switches it off for the
+    whole process (``torch/_dynamo/eval_frame.py``), which would silently turn
+    off the user's ``pyro.enable_validation``.
+    """
+
+    def run(*inputs: torch.Tensor) -> torch.Tensor:
+        default = Distribution._validate_args
+        try:
+            return compiled(*inputs)
+        finally:
+            Distribution.set_default_validate_args(default)
+
+    return run
 
 
 def _warn_fallback(reason: str) -> None:

@@ -1,0 +1,258 @@
+"""TMC_ELBO(compile=...): the traced (and inductor-compiled) estimate equals the eager one.
+
+Every comparison runs the same loss twice from the same seed, once eager and once
+through the program: a program consumes no random numbers, so both see the same
+draw, and their values and gradients must agree to float precision.
+"""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+import pyro
+import pyro.distributions as dist
+from pyro import poutine
+from pyro.infer import SVI
+from pyro.infer.autoguide import AutoNormal
+
+from pyro_tmc import IWAE_ELBO, TMC_ELBO
+
+try:
+    from . import pyro_style_models as M
+except ImportError:  # tests/ is not a package: pytest puts it on sys.path
+    import pyro_style_models as M
+
+
+# -- models with learnable guides ------------------------------------------------
+
+
+def toy_model(x):
+    theta = pyro.sample("theta", dist.Normal(x.new_zeros(()), 1.0))
+    with pyro.plate("data", x.shape[-1], dim=-1):
+        z = pyro.sample("z", dist.Normal(theta, 1.0))
+        pyro.sample("x", dist.Normal(z, 1.0), obs=x)
+
+
+def toy_guide(x):
+    loc = pyro.param("loc", lambda: x.new_tensor([0.3, -0.2]))
+    log_scale = pyro.param("log_scale", lambda: x.new_tensor([0.1, 0.4]))
+    pyro.sample("theta", dist.Normal(loc[0], log_scale[0].exp()))
+    with pyro.plate("data", x.shape[-1], dim=-1):
+        pyro.sample("z", dist.Normal(loc[1], log_scale[1].exp()))
+
+
+def chain_model(x, N):
+    z = x.new_zeros(())
+    for i in pyro.markov(range(1, N + 1)):
+        z = pyro.sample(f"z_{i}", dist.Normal(z, math.sqrt(1.0 / N)))
+    pyro.sample("x", dist.Normal(z, 1.0), obs=x)
+
+
+def chain_guide(x, N):
+    loc = pyro.param("chain_loc", lambda: 0.1 * torch.arange(N, dtype=x.dtype))
+    log_scale = pyro.param("chain_log_scale", lambda: -0.5 * torch.ones(N, dtype=x.dtype))
+    for i in pyro.markov(range(1, N + 1)):
+        pyro.sample(f"z_{i}", dist.Normal(loc[i - 1], log_scale[i - 1].exp()))
+
+
+def nonfactorised_guide(x):
+    """z depends on theta's particles: a mixture proposal over theta's particles."""
+    scale = pyro.param("nf_scale", lambda: x.new_tensor(0.8), constraint=dist.constraints.positive)
+    theta = pyro.sample("theta", dist.Normal(x.new_zeros(()), scale))
+    with pyro.plate("data", x.shape[-1], dim=-1):
+        pyro.sample("z", dist.Normal(0.5 * theta, 1.2))
+
+
+def masked_subsampled_model(x):
+    theta = pyro.sample("theta", dist.Normal(x.new_zeros(()), 1.0))
+    mask = torch.arange(x.shape[-1]) % 3 != 0
+    with pyro.plate("data", 20, subsample=torch.arange(x.shape[-1]), dim=-1):
+        z = pyro.sample("z", dist.Normal(theta, 1.0))
+        with poutine.mask(mask=mask):
+            pyro.sample("x", dist.Normal(z, 1.0), obs=x)
+
+
+def lognormal_model(x):
+    sigma = pyro.sample("sigma", dist.LogNormal(0.0, 0.5))
+    with pyro.plate("data", x.shape[-1], dim=-1):
+        pyro.sample("x", dist.Normal(0.0, sigma), obs=x)
+
+
+def _hmm_case():
+    pyro.set_rng_seed(3)
+    data = torch.randint(4, (3, 9))
+    guide = M.globals_guide(M.categorical_hmm, {"init", "trans", "emit"})
+    return M.categorical_hmm, guide, (data,), 1
+
+
+def _cases():
+    x = torch.randn(6)
+    return {
+        "toy": (toy_model, toy_guide, (x,), 1),
+        "chain_log_depth": (chain_model, chain_guide, (torch.tensor(0.7), 12), 0),
+        "non_factorised": (toy_model, nonfactorised_guide, (x,), 1),
+        "mask_and_subsample": (masked_subsampled_model, toy_guide, (x,), 1),
+        "autonormal": (lognormal_model, AutoNormal(lognormal_model), (x,), 1),
+        "hmm_autodelta": _hmm_case(),
+    }
+
+
+CASES = list(_cases())
+
+
+def _loss_and_grads(loss, model, guide, args, seed):
+    pyro.set_rng_seed(seed)
+    value = loss.differentiable_loss(model, guide, *args)
+    params = [p for p in pyro.get_param_store()._params.values() if p.requires_grad]
+    grads = torch.autograd.grad(value, params, allow_unused=True)
+    return value.detach(), {p: g for p, g in zip(params, grads)}
+
+
+def _assert_same(eager, program, rtol=1e-5):
+    value_eager, grads_eager = eager
+    value_program, grads_program = program
+    scale = max(1.0, abs(value_eager.item()))
+    assert abs(value_program.item() - value_eager.item()) <= rtol * scale
+    assert grads_eager.keys() == grads_program.keys()
+    for param, grad in grads_eager.items():
+        other = grads_program[param]
+        assert (grad is None) == (other is None)
+        if grad is not None:
+            assert torch.allclose(other, grad, rtol=rtol, atol=rtol * max(1.0, grad.abs().max().item()))
+
+
+def _run_both(case, mode="graph", make_loss=TMC_ELBO, **loss_kwargs):
+    pyro.clear_param_store()
+    model, guide, args, nesting = _cases()[case]
+    eager_loss = make_loss(num_samples=4, max_plate_nesting=nesting, **loss_kwargs)
+    program_loss = make_loss(num_samples=4, max_plate_nesting=nesting, compile=mode, **loss_kwargs)
+    _loss_and_grads(eager_loss, model, guide, args, 0)  # create the params
+    results, traces = [], []
+    for seed in (1, 2):  # the second draw reuses the first draw's graphs
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # no fallback
+            program = _loss_and_grads(program_loss, model, guide, args, seed)
+        traces.append(program_loss.program.traces)
+        results.append((_loss_and_grads(eager_loss, model, guide, args, seed), program))
+    assert traces[0] >= 1 and traces[1] == traces[0]  # nothing traced again
+    return program_loss, results
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("variance_reduction", [None, "stl", "dregs"])
+def test_graph_equals_eager(case, variance_reduction):
+    if variance_reduction is not None and case == "hmm_autodelta":
+        pytest.skip("no reparameterised guide latent")
+    if variance_reduction == "dregs" and case == "non_factorised":
+        pytest.skip("DReGs takes factorised guides")
+    loss, results = _run_both(case, variance_reduction=variance_reduction)
+    for eager, program in results:
+        _assert_same(eager, program)
+    # STL and DReGs take two estimates per step (on leaves, and the plain bound): two graphs
+    assert loss.program.traces == (1 if variance_reduction is None else 2)
+
+
+def test_graph_equals_eager_iwae():
+    loss, results = _run_both("toy", make_loss=IWAE_ELBO)
+    for eager, program in results:
+        _assert_same(eager, program)
+
+
+@pytest.mark.parametrize("case", ["toy", "chain_log_depth"])
+def test_inductor_equals_eager(case):
+    torch._dynamo.reset()
+    _, results = _run_both(case, mode="inductor")
+    for eager, program in results:
+        _assert_same(eager, program, rtol=1e-5)
+
+
+def test_traced_again_only_when_shapes_change():
+    pyro.clear_param_store()
+    loss = TMC_ELBO(num_samples=4, max_plate_nesting=1, compile="graph")
+    for seed in range(3):
+        pyro.set_rng_seed(seed)
+        loss.differentiable_loss(toy_model, toy_guide, torch.randn(6)).backward()
+    assert loss.program.traces == 1
+    loss.differentiable_loss(toy_model, toy_guide, torch.randn(7)).backward()
+    assert loss.program.traces == 2
+    loss.differentiable_loss(toy_model, toy_guide, torch.randn(6)).backward()
+    assert loss.program.traces == 2  # the first graph again, from the cache
+
+
+def test_svi_trains_with_program():
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    x = torch.randn(6) + 2.0
+    svi = SVI(toy_model, toy_guide, pyro.optim.Adam({"lr": 0.05}), TMC_ELBO(4, 1, compile="graph"))
+    losses = [svi.step(x) for _ in range(150)]
+    assert sum(losses[-20:]) / 20 < sum(losses[:20]) / 20
+
+
+class ClosureNormal(dist.Normal):
+    """A distribution whose log density reads a tensor the trace does not hold."""
+
+    hidden_shift = torch.tensor(0.25)
+
+    def log_prob(self, value):
+        return super().log_prob(value) + type(self).hidden_shift
+
+
+def closure_model(x):
+    theta = pyro.sample("theta", dist.Normal(x.new_zeros(()), 1.0))
+    with pyro.plate("data", x.shape[-1], dim=-1):
+        pyro.sample("x", ClosureNormal(theta, 1.0), obs=x)
+
+
+def test_untraceable_estimate_falls_back_with_one_warning():
+    pyro.clear_param_store()
+    x = torch.randn(5)
+    guide = AutoNormal(closure_model)
+    eager, program = TMC_ELBO(4, 1), TMC_ELBO(4, 1, compile="graph")
+    eager.differentiable_loss(closure_model, guide, x)  # the guide's params are drawn on first use
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for seed in range(3):
+            pyro.set_rng_seed(seed)
+            value = program.differentiable_loss(closure_model, guide, x)
+            pyro.set_rng_seed(seed)
+            assert value.item() == pytest.approx(eager.differentiable_loss(closure_model, guide, x).item())
+    fallbacks = [w for w in caught if "could not trace" in str(w.message)]
+    assert len(fallbacks) == 1
+    assert "FakeTensor" in str(fallbacks[0].message)  # the captured tensor is not an input
+
+
+def test_nan_is_named_under_program():
+    pyro.clear_param_store()
+    x = torch.randn(6)
+    x[2] = math.nan
+    with pytest.raises(ValueError, match="observed value of site 'x' contains NaN"):
+        TMC_ELBO(4, 1, compile="graph").differentiable_loss(toy_model, toy_guide, x)
+
+
+def test_support_is_checked_under_program():
+    def model(x):
+        rate = pyro.sample("rate", dist.Gamma(2.0, 1.0))
+        with pyro.plate("data", x.shape[-1], dim=-1):
+            pyro.sample("x", dist.Poisson(rate), obs=x)
+
+    pyro.clear_param_store()
+    x = torch.tensor([1.0, -2.0, 3.0])  # -2 is outside a Poisson's support
+    with pyro.validation_enabled(True):
+        with pytest.raises(ValueError, match="site 'x'"):
+            TMC_ELBO(4, 1, compile="graph").differentiable_loss(model, AutoNormal(model), x)
+
+
+def test_unknown_mode_is_refused():
+    with pytest.raises(ValueError, match="compile must be one of"):
+        TMC_ELBO(4, 1, compile="fast")
+
+
+def test_inductor_leaves_validation_as_it_was():
+    """torch.compile switches distribution validation off process-wide on first use; the program restores it."""
+    torch._dynamo.reset()
+    pyro.clear_param_store()
+    with pyro.validation_enabled(True):
+        TMC_ELBO(4, 1, compile="inductor").differentiable_loss(toy_model, toy_guide, torch.randn(5))
+        assert dist.Normal(0.0, 1.0)._validate_args
