@@ -24,14 +24,13 @@ traced again only when the plan changes.
 """
 
 import dataclasses
-import math
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch.distributions import Distribution
 
-from .factors import check_finite, compute_log_factors, contract_estimate
+from .factors import compute_log_factors, contract_estimate
 
 MODES = (None, "graph", "inductor")
 
@@ -109,7 +108,19 @@ class _Flattener:
 _ATOMS = frozenset([type(None), bool, int, float, str, torch.dtype, torch.device, torch.Size])
 
 #: what :mod:`pyro_tmc.factors` reads of a sample site
-SITE_FIELDS = ("name", "type", "is_observed", "fn", "value", "args", "kwargs", "infer", "scale", "mask", "cond_indep_stack")
+SITE_FIELDS = (
+    "name",
+    "type",
+    "is_observed",
+    "fn",
+    "value",
+    "args",
+    "kwargs",
+    "infer",
+    "scale",
+    "mask",
+    "cond_indep_stack",
+)
 
 
 def _fill(obj, inputs: List[torch.Tensor]):
@@ -148,7 +159,8 @@ def validate_samples(draw) -> None:
                 try:
                     fn._validate_sample(site["value"])
                 except ValueError as error:
-                    raise ValueError(f"Error while computing log_prob at site '{site['name']}': {error}") from error
+                    name = site["name"]
+                    raise ValueError(f"Error while computing log_prob at site '{name}': {error}") from error
 
 
 class _TraceView:
@@ -175,9 +187,7 @@ class FlatDraw:
 
 
 def _sample_sites(flattener: _Flattener, trace) -> dict:
-    return {
-        name: flattener.walk_site(site) for name, site in trace.nodes.items() if site["type"] == "sample"
-    }
+    return {name: flattener.walk_site(site) for name, site in trace.nodes.items() if site["type"] == "sample"}
 
 
 def flatten_draw(draw, sources: Optional[Dict[str, torch.Tensor]], detach_guide_proposals: bool) -> FlatDraw:
@@ -321,13 +331,3 @@ def _warn_fallback(reason: str) -> None:
         RuntimeWarning,
         stacklevel=4,
     )
-
-
-def checked(estimate: torch.Tensor, eager: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """The program's estimate, or, where it is not finite, the eager path's (whose check names the site)."""
-    if torch.isfinite(estimate).all():
-        return estimate
-    return eager()
-
-
-__all__ = ["EstimateProgram", "flatten_draw", "trace_graph", "GraphFallback", "check_finite", "math"]

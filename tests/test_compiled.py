@@ -250,7 +250,7 @@ def test_unknown_mode_is_refused():
 
 
 def test_inductor_leaves_validation_as_it_was():
-    """torch.compile switches distribution validation off process-wide on first use; the program restores it."""
+    """torch.compile switches distribution validation off process-wide on first use; it is restored."""
     torch._dynamo.reset()
     pyro.clear_param_store()
     with pyro.validation_enabled(True):

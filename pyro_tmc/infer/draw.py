@@ -30,6 +30,7 @@ from pyro.poutine import Trace
 from pyro.poutine.util import prune_subsample_sites
 from pyro.util import check_model_guide_match, check_traceenum_requirements
 
+from ..compiled import EstimateProgram
 from ..factors import (
     LogFactor,
     carried_scale,
@@ -43,7 +44,6 @@ from ..factors import (
     particle_shape,
     symbolize,
 )
-from ..compiled import EstimateProgram
 from ..poutine import TMCMessenger
 from .path_gradients import marginal_sources, with_leaf_values
 
