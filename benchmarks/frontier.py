@@ -19,6 +19,11 @@ Cases (each timed as one forward + backward step):
    batched log-matmul-exp over the stacked (N-1, K, K) factors);
 3. the toy model at N=128 K=8, where per-step overhead dominates.
 
+pyro_tmc is timed eagerly and with ``TMC_ELBO(compile="graph")`` (the estimate traced once
+into a graph of tensor operations and replayed) and, where torch.compile is on,
+``compile="inductor"`` (that graph compiled: fused kernels); their first call, which
+traces and compiles, is in the compile column.
+
 Timings are medians of ``--repeats`` interleaved rounds (every method once per round)
 after warm-up, with ``torch.cuda.synchronize`` around each step on CUDA. The last
 column is each method's time over the fastest hand-written method of its case, so the
@@ -34,6 +39,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from typing import Callable, Dict, List, Tuple
 
 import torch
@@ -190,6 +196,30 @@ class Case:
         self.notes: List[str] = []
 
 
+#: pyro_tmc's own cached programs (TMC_ELBO(compile=...)), timed beside its eager path
+PROGRAM_MODES = ("graph", "inductor")
+
+
+def add_program_step(case: "Case", mode: str, device: str, loss, model, guide, *args) -> None:
+    """A row for ``TMC_ELBO(compile=mode)``; its first call (tracing, compiling) is the compile column."""
+    name = f"{PYRO_TMC} compile={mode!r}"
+    if mode == "inductor":
+        torch._dynamo.reset()  # a fresh compile per case, as for the hand-written one
+    step = _pyro_step(loss, model, guide, *args)
+    _sync(device)
+    start = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RuntimeWarning)
+        step()
+    _sync(device)
+    fallbacks = [str(w.message) for w in caught if "could not trace" in str(w.message)]
+    if fallbacks:
+        case.failed[name] = "fell back to eager: " + fallbacks[0][:160].replace("|", "/")
+        return
+    case.compile_seconds[name] = f"{time.perf_counter() - start:.1f}"
+    case.steps[name] = step
+
+
 def toy_case(num_data: int, num_samples: int, device: str, compiled: bool) -> Case:
     case = Case(f"toy N={num_data} K={num_samples}")
     x = torch.randn(num_data, device=device)
@@ -198,6 +228,16 @@ def toy_case(num_data: int, num_samples: int, device: str, compiled: bool) -> Ca
     case.steps[PYRO_TMC] = _pyro_step(
         TMC_ELBO(num_samples=num_samples, max_plate_nesting=1), models.toy_model, models.toy_guide, x
     )
+    for mode in PROGRAM_MODES if compiled else PROGRAM_MODES[:1]:
+        add_program_step(
+            case,
+            mode,
+            device,
+            TMC_ELBO(num_samples=num_samples, max_plate_nesting=1, compile=mode),
+            models.toy_model,
+            models.toy_guide,
+            x,
+        )
     case.steps["hand-written TMC (eager)"] = _backward_step(
         lambda: models.handwritten_tmc_loss(x, loc, log_scale, num_samples)
     )
@@ -240,6 +280,17 @@ def chain_case(num_steps: int, num_samples: int, device: str) -> Case:
 
     case.steps[PYRO_TMC] = _pyro_step(
         TMC_ELBO(num_samples=K, max_plate_nesting=0), chain_model, chain_guide, x, N
+    )
+    # inductor's compile of a graph with ~N * 30 operations takes minutes (76 s at N=100): left out
+    add_program_step(
+        case,
+        "graph",
+        device,
+        TMC_ELBO(num_samples=K, max_plate_nesting=0, compile="graph"),
+        chain_model,
+        chain_guide,
+        x,
+        N,
     )
     case.steps["hand-written sequential"] = _backward_step(sequential)
     case.steps["hand-written log-depth tree"] = _backward_step(tree)
@@ -377,7 +428,7 @@ def main(argv=None) -> None:
     notes: List[str] = []
     cases = [lambda n=n, k=k: toy_case(n, k, args.device, compiled=not args.no_compile) for n, k in toy_sizes]
     cases += [lambda n=n: chain_case(n, chain_k, args.device) for n in chain_sizes]
-    cases += [lambda: toy_case(overhead[0], overhead[1], args.device, compiled=False)]
+    cases += [lambda: toy_case(overhead[0], overhead[1], args.device, compiled=not args.no_compile)]
     try:
         for make in cases:
             case = make()

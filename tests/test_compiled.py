@@ -17,7 +17,7 @@ from pyro import poutine
 from pyro.infer import SVI
 from pyro.infer.autoguide import AutoNormal
 
-from pyro_tmc import IWAE_ELBO, TMC_ELBO
+from pyro_tmc import IWAE_ELBO, TMC_ELBO, TMC_RWS
 
 try:
     from . import pyro_style_models as M
@@ -154,8 +154,9 @@ def test_graph_equals_eager(case, variance_reduction):
     assert loss.program.traces == (1 if variance_reduction is None else 2)
 
 
-def test_graph_equals_eager_iwae():
-    loss, results = _run_both("toy", make_loss=IWAE_ELBO)
+@pytest.mark.parametrize("make_loss", [IWAE_ELBO, TMC_RWS], ids=["iwae", "rws"])
+def test_graph_equals_eager_other_losses(make_loss):
+    loss, results = _run_both("toy", make_loss=make_loss)
     for eager, program in results:
         _assert_same(eager, program)
 
@@ -256,3 +257,20 @@ def test_inductor_leaves_validation_as_it_was():
     with pyro.validation_enabled(True):
         TMC_ELBO(4, 1, compile="inductor").differentiable_loss(toy_model, toy_guide, torch.randn(5))
         assert dist.Normal(0.0, 1.0)._validate_args
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mode", ["graph", "inductor"])
+def test_program_equals_eager_cuda(mode):
+    torch._dynamo.reset()
+    pyro.clear_param_store()
+    x = torch.randn(64, device="cuda")
+    eager = TMC_ELBO(16, 1)
+    program = TMC_ELBO(16, 1, compile=mode)
+    _loss_and_grads(eager, toy_model, toy_guide, (x,), 0)
+    for seed in (1, 2):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            result = _loss_and_grads(program, toy_model, toy_guide, (x,), seed)
+        _assert_same(_loss_and_grads(eager, toy_model, toy_guide, (x,), seed), result)
+    assert program.program.traces == 1
