@@ -42,7 +42,7 @@ def worker(case: str, repeats: int) -> None:
         steps = run.toy_steps(num_samples, extra, "cpu")
         steps = {name: steps[name] for name in ("pyro_tmc TMC_ELBO", "pyro_tmc IWAE_ELBO")}
     else:
-        steps = run.vae_steps(num_samples, "cpu", extra)
+        steps = run.vae_steps(num_samples, "cpu", extra, compiled=False)
     print(json.dumps(run.median_seconds(steps, repeats, "cpu")))
 
 

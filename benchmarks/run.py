@@ -22,7 +22,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 import pyro
-from pyro.infer import TraceTMC_ELBO, config_enumerate
+from pyro.infer import RenyiELBO, TraceTMC_ELBO, config_enumerate
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import models  # noqa: E402
@@ -95,7 +95,7 @@ def chain_steps(num_samples: int, device: str) -> Dict[str, Callable[[], None]]:
 
 
 def vae_steps(
-    num_samples: int, device: str, recognition: str = "factorised"
+    num_samples: int, device: str, recognition: str = "factorised", compiled: bool = True
 ) -> Dict[str, Callable[[], None]]:
     """One step of the paper's 5-layer MNIST VAE on a batch of 100 (random binary pixels: timing only)."""
     from pyro_tmc.experiments import vae
@@ -110,10 +110,26 @@ def vae_steps(
 
         return step
 
-    return {
+    renyi = RenyiELBO(alpha=0, num_particles=num_samples, vectorize_particles=True, max_plate_nesting=1)
+
+    def pyro_iwae_step():
+        renyi.loss_and_grads(generative.model, guide.guide, x)
+
+    steps = {
+        PYRO_IWAE: pyro_iwae_step,
         "TMC_ELBO": step_with(TMC_ELBO(num_samples=num_samples, max_plate_nesting=1)),
         "IWAE_ELBO": step_with(IWAE_ELBO(num_samples=num_samples, max_plate_nesting=1)),
     }
+    if compiled:
+        for name, make in (("TMC_ELBO", TMC_ELBO), ("IWAE_ELBO", IWAE_ELBO)):
+            step = step_with(make(num_samples=num_samples, max_plate_nesting=1, compile="inductor"))
+            step()  # traces and compiles (seconds): not timed
+            steps[f"{name} compile='inductor'"] = step
+    return steps
+
+
+#: Pyro's own IWAE, the reference of the VAE rows (issue 12)
+PYRO_IWAE = "Pyro RenyiELBO(alpha=0, vectorize_particles=True)"
 
 
 def median_seconds(steps: Dict[str, Callable[[], None]], repeats: int, device: str) -> Dict[str, float]:
@@ -181,6 +197,7 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true", help="a smoke run: small grid, 2 repeats")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: the issue's setting)")
     parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--no-compile", action="store_true", help="leave out the compile='inductor' rows")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     pyro.enable_validation(False)  # as in production training loops; validation costs time per step
@@ -215,10 +232,10 @@ def main(argv=None) -> None:
     for recognition in ("factorised", "small"):
         run_case(
             f"5-layer MNIST VAE ({recognition} recognition), batch 100, K=20: one SVI step",
-            vae_steps(20, args.device, recognition),
+            vae_steps(20, args.device, recognition, compiled=not args.no_compile),
             repeats,
             args.device,
-            "IWAE_ELBO",
+            PYRO_IWAE,
             memory=not args.no_memory,
         )
 
