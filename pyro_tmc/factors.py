@@ -26,6 +26,7 @@ from pyro.poutine import Trace
 from pyro.util import check_site_shape
 
 from . import log_density
+from .batched_densities import batched_log_probs
 from .contraction import ChunkedFactor, contract_log_factors
 from .proposals import proposal_log_prob
 from .scales import ScalePlan, plan_scales
@@ -82,7 +83,9 @@ def _pack(site, tensor: torch.Tensor, dim_to_symbol) -> torch.Tensor:
         ) from error
 
 
-def _log_prob(site, value=None) -> torch.Tensor:
+def _log_prob(site, value=None, precomputed: Optional[Dict[int, torch.Tensor]] = None) -> torch.Tensor:
+    if value is None and precomputed is not None and id(site) in precomputed:
+        return precomputed[id(site)]
     fn = site["fn"]
     try:
         return log_density.log_prob(
@@ -154,7 +157,7 @@ def latent_site(name: str, model_trace: Trace, guide_trace: Trace):
     return guide_trace.nodes[name]
 
 
-def _proposal_term(q_site, extra_scale, mask, detach: bool) -> torch.Tensor:
+def _proposal_term(q_site, extra_scale, mask, detach: bool, densities: Optional["SiteDensities"] = None):
     """
     ``-log q`` of a latent's proposal, and ``-log K`` for a sampled one. A
     Delta proposal contributes its ``log_density`` (AutoNormal's log|Jacobian|).
@@ -162,6 +165,8 @@ def _proposal_term(q_site, extra_scale, mask, detach: bool) -> torch.Tensor:
     draw = q_site["infer"].get("_tmc_draw")
     if draw is None:
         log_q = _log_prob(q_site)
+    elif densities is not None and id(q_site) in densities.log_q:
+        log_q = densities.log_q[id(q_site)]
     else:
         log_q = proposal_log_prob(q_site["fn"], q_site["value"], draw)
     if not q_site["is_observed"] and (not q_site["fn"].has_rsample or detach):
@@ -183,6 +188,7 @@ def site_log_factors(
     source: Optional[torch.Tensor] = None,
     detach_guide_proposal: bool = False,
     max_factor_elements: Optional[int] = None,
+    densities: Optional["SiteDensities"] = None,
 ) -> List[torch.Tensor]:
     """
     The packed log factors of model site ``name`` (see the module docstring):
@@ -204,6 +210,8 @@ def site_log_factors(
     :param int max_factor_elements: a latent site's ``log p`` larger than this is
         returned as a :class:`~pyro_tmc.contraction.ChunkedFactor`, computed slice
         by slice along the site's own particle dim during the contraction.
+    :param SiteDensities densities: log densities already computed for groups of
+        sites (:func:`site_densities`); the rest are computed here.
     """
     site = model_trace.nodes[name]
     dim_to_symbol = site["infer"]["_dim_to_symbol"]
@@ -223,11 +231,12 @@ def site_log_factors(
     ):
         factors = [_chunked_log_prob(site, extra_scale, max_factor_elements, mask)]
     else:
-        factors = [_pack(site, scale_and_mask(_log_prob(site), extra_scale, mask), dim_to_symbol)]
+        log_p = _log_prob(site, precomputed=None if densities is None else densities.log_p)
+        factors = [_pack(site, scale_and_mask(log_p, extra_scale, mask), dim_to_symbol)]
     proposal_term = 0.0
     if q_site is not None and not is_summed_exactly(q_site):
         detach = detach_guide_proposal and q_site is not site
-        proposal_term = _proposal_term(q_site, extra_scale, site["mask"], detach)
+        proposal_term = _proposal_term(q_site, extra_scale, site["mask"], detach, densities)
     if source is not None:
         proposal_term = proposal_term + source
     if isinstance(proposal_term, torch.Tensor):
@@ -236,7 +245,11 @@ def site_log_factors(
 
 
 def guide_site_log_factors(
-    site, extra_scale=1.0, source: Optional[torch.Tensor] = None, detach_guide_proposal: bool = False
+    site,
+    extra_scale=1.0,
+    source: Optional[torch.Tensor] = None,
+    detach_guide_proposal: bool = False,
+    densities: Optional["SiteDensities"] = None,
 ) -> List[torch.Tensor]:
     """
     The packed log factor of a guide site the model lacks: ``-log q - log K``
@@ -251,7 +264,7 @@ def guide_site_log_factors(
             f"Guide site '{site['name']}' is marked infer={{'enumerate': 'parallel'}} but the model "
             "has no site of that name, so TMC cannot sum it exactly. Drop the flag to sample it."
         )
-    term = _proposal_term(site, extra_scale, site["mask"], detach_guide_proposal)
+    term = _proposal_term(site, extra_scale, site["mask"], detach_guide_proposal, densities)
     if source is not None:
         term = term + source
     return [pack(term, site["infer"]["_dim_to_symbol"])]
@@ -276,23 +289,68 @@ def compute_log_factors(
     :param int max_factor_elements: see :func:`site_log_factors`.
     """
     sources = {} if sources is None else sources
+    # a memory budget bounds each factor: stacking a group would exceed it
+    densities = site_densities(model_trace, guide_trace) if max_factor_elements is None else None
     factors = []
     for name, site in model_trace.nodes.items():
         if site["type"] != "sample":
             continue
         for tensor in site_log_factors(
-            name, model_trace, guide_trace, sources.get(name), detach_guide_proposals, max_factor_elements
+            name,
+            model_trace,
+            guide_trace,
+            sources.get(name),
+            detach_guide_proposals,
+            max_factor_elements,
+            densities,
         ):
             factors.append(LogFactor(name, tensor))
     for name in guide_only_sites(model_trace, guide_trace):
         site = guide_trace.nodes[name]
         extra_scale = scale_plan(model_trace).site_scale(name)
-        for tensor in guide_site_log_factors(site, extra_scale, sources.get(name), detach_guide_proposals):
+        for tensor in guide_site_log_factors(
+            site, extra_scale, sources.get(name), detach_guide_proposals, densities
+        ):
             factors.append(LogFactor(name, tensor))
     joint = joint_samples_factor(model_trace)
     if joint is not None:
         factors.append(LogFactor("(joint samples)", joint))
     return factors
+
+
+class SiteDensities(NamedTuple):
+    """Log densities computed for groups of sites at once, by ``id`` of the site dict."""
+
+    log_p: Dict[int, torch.Tensor]
+    log_q: Dict[int, torch.Tensor]
+
+
+def site_densities(model_trace: Trace, guide_trace: Trace) -> SiteDensities:
+    """
+    The model's ``log p`` of every sample site, and the ``log q`` of every proposal
+    that drew its particles on its own (no upstream particle dims), for the sites
+    that :func:`pyro_tmc.batched_densities.batched_log_probs` can evaluate in groups
+    (the links of a ``pyro.markov`` chain); the others are left out.
+    """
+    p_sites = [
+        site
+        for site in model_trace.nodes.values()
+        if site["type"] == "sample" and not site["args"] and not site["kwargs"]
+    ]
+    proposals = [
+        proposal_site(site["name"], model_trace, guide_trace) for site in p_sites if not site["is_observed"]
+    ]
+    proposals += [guide_trace.nodes[name] for name in guide_only_sites(model_trace, guide_trace)]
+    q_sites = []
+    for site in proposals:
+        draw = site["infer"].get("_tmc_draw")
+        if draw is not None and not draw.parent_dims:
+            q_sites.append(site)
+    sites = p_sites + q_sites
+    log_probs = batched_log_probs([(site["fn"], site["value"]) for site in sites])
+    log_p = {id(s): lp for s, lp in zip(p_sites, log_probs[: len(p_sites)]) if lp is not None}
+    log_q = {id(s): lp for s, lp in zip(q_sites, log_probs[len(p_sites) :]) if lp is not None}
+    return SiteDensities(log_p, log_q)
 
 
 def joint_samples_factor(model_trace: Trace) -> Optional[torch.Tensor]:
