@@ -10,11 +10,6 @@ test) is where it shows.
 from typing import List
 
 import pyro
-
-# A log-depth, numerically safe product of a stack of log matrices (a balanced
-# tree of log-matmul-exps, each shifted by its row and column maxima): the
-# chains of pairwise factors that pyro.markov models make.
-from pyro.distributions.hmm import _sequential_logmatmulexp  # noqa: F401
 from pyro.infer.elbo import ELBO
 from pyro.ops.rings import LogRing
 from pyro.poutine.enum_messenger import EnumMessenger
@@ -46,14 +41,12 @@ ELBO_METHODS = ("_guess_max_plate_nesting", "_vectorized_num_particles")
 def missing_private_names() -> List[str]:
     """The private Pyro names above that the installed Pyro lacks (empty when all are there)."""
     missing = _missing_infer_keys()  # runs an enumerated model: the allocator is then set up
-    import pyro.distributions.hmm as hmm
     import pyro.poutine.handlers as handlers
     import pyro.poutine.runtime as runtime
 
     for module, name in (
         (handlers, "_make_handler"),
         (runtime, "_ENUM_ALLOCATOR"),
-        (hmm, "_sequential_logmatmulexp"),
     ):
         if not hasattr(module, name):
             missing.append(f"{module.__name__}.{name}")

@@ -44,10 +44,18 @@ def _parameters(base: Distribution) -> Optional[Dict[str, torch.Tensor]]:
     params = {}
     for name in names:
         value = base.__dict__.get(name)  # not getattr: a lazy probs/logits is not computed here
-        if not isinstance(value, torch.Tensor) or constraints[name].event_dim != 0:
+        if not isinstance(value, torch.Tensor) or _event_dim(constraints[name]) != 0:
             return None
         params[name] = value
     return params or None
+
+
+def _event_dim(constraint) -> Optional[int]:
+    """A constraint's event dim, or ``None`` where it depends on the instance (a Delta's value)."""
+    try:
+        return constraint.event_dim
+    except NotImplementedError:
+        return None
 
 
 def _unwrap(fn: Distribution) -> Tuple[Tuple[Tuple[type, int], ...], Distribution]:

@@ -238,6 +238,7 @@ def trace_graph(flat: FlatDraw, settings, detach_guide_proposals: bool) -> torch
     from torch.fx.experimental.proxy_tensor import make_fx
 
     function = _estimate_function(flat, settings, detach_guide_proposals)
+    check_no_custom_backward(function, flat.tensors)
     try:
         graph = make_fx(function, tracing_mode="fake")(*flat.tensors)
     except Exception as error:  # any failure: the eager path is always right
@@ -249,6 +250,32 @@ def trace_graph(flat: FlatDraw, settings, detach_guide_proposals: bool) -> torch
             "a tensor captured by a distribution or closure would be frozen at its first value"
         )
     return graph
+
+
+def check_no_custom_backward(function: Callable, tensors: List[torch.Tensor]) -> None:
+    """
+    Run the estimate once eagerly on detached copies of its inputs and look for a
+    custom ``torch.autograd.Function`` in its backward graph (a user's
+    distribution may use one): a graph of tensor operations keeps its forward but
+    not its backward, so gradients would silently change.
+
+    :raises GraphFallback: naming the Function.
+    """
+    inputs = [t.detach().requires_grad_(t.is_floating_point() or t.is_complex()) for t in tensors]
+    with torch.enable_grad():
+        output = function(*inputs)
+    seen, stack = set(), [output.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            raise GraphFallback(
+                f"the estimate uses the custom autograd.Function {type(node).__name__[: -len('Backward')]}, "
+                "whose backward a graph of tensor operations would drop"
+            )
+        stack.extend(next_node for next_node, _ in node.next_functions)
 
 
 class EstimateProgram:

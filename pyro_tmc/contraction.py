@@ -28,9 +28,8 @@ from torch.utils.checkpoint import checkpoint
 
 from pyro.ops.contract import contract_to_tensor
 from pyro.ops.rings import LogRing
-from pyro.ops.special import safe_log
 
-from ._pyro import _sequential_logmatmulexp
+from .log_einsum import safe_log, sequential_log_matmul_exp
 
 
 @dataclass
@@ -83,6 +82,9 @@ class PlateScaledLogRing(LogRing):
 
     :param dict plate_scales: plate symbol -> scale.
     """
+
+    #: Pyro's log-space einsum in plain tensor operations, so that a traced graph keeps its gradient
+    _backend = "pyro_tmc.log_einsum"
 
     def __init__(self, cache=None, dim_to_size=None, plate_scales=None):
         super().__init__(cache=cache, dim_to_size=dim_to_size)
@@ -330,7 +332,7 @@ def reduce_chains(factors: List[torch.Tensor], plates: frozenset) -> List[torch.
         stack = torch.stack(
             [_as_matrix(factors[i], batch, nodes[j], nodes[j + 1]) for j, i in enumerate(edges)], dim=-3
         )
-        product = _sequential_logmatmulexp(stack)
+        product = sequential_log_matmul_exp(stack)
         product._pyro_dims = "".join(batch) + nodes[0] + nodes[-1]
         result.append(product)
         replaced.update(edges)

@@ -88,6 +88,7 @@ NOT_STACKABLE = {
     ),
     "multivariate": lambda g: (dist.MultivariateNormal(_randn(g, 2), torch.eye(2)), _randn(g, 2)),
     "user_subclass": lambda g: (ShiftedNormal(_randn(g), 1.0, 0.5), _randn(g, 3)),
+    "delta_dependent_constraint": lambda g: (dist.Delta(_randn(g, 3)), _randn(g, 3)),
 }
 
 
