@@ -285,12 +285,16 @@ class EstimateProgram:
 
     :param str mode: ``"graph"`` (replay the traced operations eagerly) or
         ``"inductor"`` (``torch.compile`` them: fused kernels).
+    :param dict options: keyword arguments for ``torch.compile`` (``"inductor"`` only).
     """
 
-    def __init__(self, mode: str) -> None:
+    def __init__(self, mode: str, options: Optional[dict] = None) -> None:
         if mode not in MODES[1:]:
             raise ValueError(f"compile must be one of {MODES}, got {mode!r}")
+        if options and mode != "inductor":
+            raise ValueError("compile_options are torch.compile's: they need compile='inductor'")
         self.mode = mode
+        self.options = dict(options or {})
         self._programs: Dict[tuple, Optional[Callable]] = {}
         self.traces = 0  # how many graphs were traced (a test reads it)
 
@@ -323,7 +327,8 @@ class EstimateProgram:
             return None
         self.traces += 1
         if self.mode == "inductor":
-            return _keeping_validation_default(torch.compile(graph, dynamic=False))
+            options = {"dynamic": False, **self.options}
+            return _keeping_validation_default(torch.compile(graph, **options))
         return graph
 
 

@@ -248,6 +248,8 @@ def test_support_is_checked_under_program():
 def test_unknown_mode_is_refused():
     with pytest.raises(ValueError, match="compile must be one of"):
         TMC_ELBO(4, 1, compile="fast")
+    with pytest.raises(ValueError, match="need compile='inductor'"):
+        TMC_ELBO(4, 1, compile="graph", compile_options={"mode": "reduce-overhead"})
 
 
 def test_inductor_leaves_validation_as_it_was():
@@ -260,13 +262,16 @@ def test_inductor_leaves_validation_as_it_was():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("mode", ["graph", "inductor"])
+@pytest.mark.parametrize("mode", ["graph", "inductor", "reduce-overhead"])
 def test_program_equals_eager_cuda(mode):
     torch._dynamo.reset()
     pyro.clear_param_store()
     x = torch.randn(64, device="cuda")
     eager = TMC_ELBO(16, 1)
-    program = TMC_ELBO(16, 1, compile=mode)
+    if mode == "reduce-overhead":  # inductor with CUDA graphs
+        program = TMC_ELBO(16, 1, compile="inductor", compile_options={"mode": mode})
+    else:
+        program = TMC_ELBO(16, 1, compile=mode)
     _loss_and_grads(eager, toy_model, toy_guide, (x,), 0)
     for seed in (1, 2):
         with warnings.catch_warnings():

@@ -66,6 +66,8 @@ class TMC_ELBO(DifferentiableLossELBO):
         factor's log density with its reduction. Values and gradients equal the
         eager path's; a model whose estimate cannot be traced runs eagerly, with
         one warning.
+    :param dict compile_options: keyword arguments for ``torch.compile`` with
+        ``compile="inductor"``, e.g. ``{"mode": "reduce-overhead"}`` (CUDA graphs).
 
     References
 
@@ -83,6 +85,7 @@ class TMC_ELBO(DifferentiableLossELBO):
         vectorize_particles: bool = False,
         max_factor_bytes: Optional[int] = None,
         compile: Optional[str] = None,
+        compile_options: Optional[dict] = None,
         **kwargs,
     ) -> None:
         self.num_samples = check_num_samples(num_samples, "TMC_ELBO(num_samples)")
@@ -90,7 +93,7 @@ class TMC_ELBO(DifferentiableLossELBO):
             raise ValueError(f"max_factor_bytes must be positive or None, got {max_factor_bytes}.")
         self.max_factor_bytes = max_factor_bytes
         self.compile = compile
-        self.program = None if compile is None else EstimateProgram(compile)
+        self.program = None if compile is None else EstimateProgram(compile, compile_options)
         self.proposal = check_proposal(proposal)
         self.estimator = self._make_estimator(variance_reduction)
         self.variance_reduction = variance_reduction
