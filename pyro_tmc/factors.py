@@ -346,11 +346,13 @@ def site_densities(model_trace: Trace, guide_trace: Trace) -> SiteDensities:
         draw = site["infer"].get("_tmc_draw")
         if draw is not None and not draw.parent_dims:
             q_sites.append(site)
-    sites = p_sites + q_sites
-    log_probs = batched_log_probs([(site["fn"], site["value"]) for site in sites])
-    log_p = {id(s): lp for s, lp in zip(p_sites, log_probs[: len(p_sites)]) if lp is not None}
-    log_q = {id(s): lp for s, lp in zip(q_sites, log_probs[len(p_sites) :]) if lp is not None}
-    return SiteDensities(log_p, log_q)
+    # apart: a small model has too few of either to group, and then costs nothing here
+    log_p = batched_log_probs([(site["fn"], site["value"]) for site in p_sites])
+    log_q = batched_log_probs([(site["fn"], site["value"]) for site in q_sites])
+    return SiteDensities(
+        {id(s): lp for s, lp in zip(p_sites, log_p) if lp is not None},
+        {id(s): lp for s, lp in zip(q_sites, log_q) if lp is not None},
+    )
 
 
 def joint_samples_factor(model_trace: Trace) -> Optional[torch.Tensor]:
