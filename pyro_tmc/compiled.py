@@ -66,7 +66,7 @@ class _Flattener:
             self.key.append(
                 ("T", tuple(tensor.shape), tensor.stride(), tensor.dtype, tensor.device, tensor.requires_grad)
             )
-            self.key.append(tuple(sorted(getattr(tensor, "__dict__", {}))))  # _pyro_dims and the like
+            self.key.append(tuple(sorted(_tensor_attributes(tensor))))  # _pyro_dims and the like
         else:
             self.key.append(("alias", index))
         return _Leaf(index)
@@ -121,6 +121,15 @@ SITE_FIELDS = (
     "mask",
     "cond_indep_stack",
 )
+
+
+def _tensor_attributes(tensor: torch.Tensor) -> dict:
+    """
+    What Python code has set on a tensor (``_pyro_dims``, ``_pyro_categorical_support``),
+    less TorchDynamo's own marks: it tags the tensors it compiled against, which
+    would change the key after the first compile.
+    """
+    return {k: v for k, v in getattr(tensor, "__dict__", {}).items() if not k.startswith("_dynamo")}
 
 
 def _fill(obj, inputs: List[torch.Tensor]):
@@ -200,7 +209,7 @@ def flatten_draw(draw, sources: Optional[Dict[str, torch.Tensor]], detach_guide_
     )
     source_template = flattener.walk(dict(sources or {}))
     flattener.key.append(("detach", detach_guide_proposals))
-    attributes = [dict(getattr(t, "__dict__", {})) for t in flattener.tensors]
+    attributes = [_tensor_attributes(t) for t in flattener.tensors]
     flat = FlatDraw(flattener.tensors, template, tuple(flattener.key), attributes)
     flat.source_template = source_template
     return flat

@@ -161,8 +161,9 @@ def test_graph_equals_eager_other_losses(make_loss):
         _assert_same(eager, program)
 
 
-@pytest.mark.parametrize("case", ["toy", "chain_log_depth"])
+@pytest.mark.parametrize("case", ["toy", "chain_log_depth", "autonormal"])
 def test_inductor_equals_eager(case):
+    """AutoNormal: its parameters enter the graph as they are, and TorchDynamo marks them (not a new plan)."""
     torch._dynamo.reset()
     _, results = _run_both(case, mode="inductor")
     for eager, program in results:
