@@ -17,7 +17,9 @@ Cases (each timed as one forward + backward step):
    ``pyro_tmc.TMC_ELBO``; a hand-written sequential TMC (a forward loop of K x K
    log-matmul-exp messages); a hand-written log-depth contraction (a balanced tree of
    batched log-matmul-exp over the stacked (N-1, K, K) factors);
-3. the toy model at N=128 K=8, where per-step overhead dominates.
+3. the toy model at N=128 K=8, where per-step overhead dominates;
+4. an HMM with enumerated states (16 sequences in a plate, T=50 and 200, AutoDelta globals):
+   ``pyro_tmc.TMC_ELBO`` against Pyro's own ``TraceEnum_ELBO`` on the same model and guide.
 
 pyro_tmc is timed eagerly and with ``TMC_ELBO(compile="graph")`` (the estimate traced once
 into a graph of tensor operations and replayed) and, where torch.compile is on,
@@ -47,6 +49,9 @@ from torch.distributions import Normal
 
 import pyro
 import pyro.distributions as dist
+from pyro import poutine
+from pyro.infer import TraceEnum_ELBO, config_enumerate
+from pyro.infer.autoguide import AutoDelta
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import models  # noqa: E402
@@ -282,6 +287,41 @@ def toy_case(num_data: int, num_samples: int, device: str, compiled: bool) -> Ca
     return case
 
 
+# -- an HMM with enumerated hidden states, against Pyro's own TraceEnum_ELBO ------------
+
+
+@config_enumerate
+def hmm_model(observations, num_states=3, vocab_size=4):
+    """Symbol sequences (num_sequences, T) in a plate; states enumerated; Dirichlet globals (MAP)."""
+    init = pyro.sample("init", dist.Dirichlet(observations.new_ones(num_states, dtype=torch.float)))
+    trans = pyro.sample(
+        "trans", dist.Dirichlet(0.5 + 1.5 * torch.eye(num_states, device=init.device)).to_event(1)
+    )
+    emit = pyro.sample(
+        "emit", dist.Dirichlet(0.7 * torch.ones(num_states, vocab_size, device=init.device)).to_event(1)
+    )
+    with pyro.plate("sequences", observations.shape[0], dim=-1):
+        x = None
+        for t in pyro.markov(range(observations.shape[1])):
+            x = pyro.sample(f"x_{t}", dist.Categorical(init if x is None else trans[x]))
+            pyro.sample(f"y_{t}", dist.Categorical(emit[x]), obs=observations[:, t])
+
+
+def hmm_case(length: int, device: str) -> Case:
+    """pyro_tmc against TraceEnum_ELBO on the same model and AutoDelta guide: both sum the states exactly."""
+    case = Case(f"HMM T={length}, 16 sequences, 3 enumerated states")
+    pyro.clear_param_store()
+    observations = torch.randint(4, (16, length), device=device)
+    guide = AutoDelta(poutine.block(hmm_model, expose=["init", "trans", "emit"]))
+    enum = TraceEnum_ELBO(max_plate_nesting=1)
+    case.steps[PYRO_TMC] = _pyro_step(
+        TMC_ELBO(num_samples=4, max_plate_nesting=1), hmm_model, guide, observations
+    )
+    case.steps["Pyro TraceEnum_ELBO"] = lambda: enum.loss_and_grads(hmm_model, guide, observations)
+    case.careful.append("Pyro TraceEnum_ELBO")
+    return case
+
+
 def chain_case(num_steps: int, num_samples: int, device: str) -> Case:
     N, K = num_steps, num_samples
     case = Case(f"chain N={N} K={K}")
@@ -421,9 +461,11 @@ def main(argv=None) -> None:
     if args.quick:
         toy_sizes, chain_sizes, overhead = ((16, 8), (64, 4)), (10, 20), (16, 4)
         chain_k = 8
+        hmm_lengths = (10,)
     else:
         toy_sizes, chain_sizes, overhead = ((128, 128), (1024, 32)), (100, 1000), (128, 8)
         chain_k = 32
+        hmm_lengths = (50, 200)
     if args.skip_long:
         chain_sizes = chain_sizes[:1]
 
@@ -445,6 +487,7 @@ def main(argv=None) -> None:
     cases = [lambda n=n, k=k: toy_case(n, k, args.device, compiled=not args.no_compile) for n, k in toy_sizes]
     cases += [lambda n=n: chain_case(n, chain_k, args.device) for n in chain_sizes]
     cases += [lambda: toy_case(overhead[0], overhead[1], args.device, compiled=not args.no_compile)]
+    cases += [lambda n=n: hmm_case(n, args.device) for n in hmm_lengths]
     try:
         for make in cases:
             case = make()
