@@ -29,10 +29,15 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch.distributions import Distribution
+from torch.distributions.transforms import Transform
 
 from .factors import compute_log_factors, contract_estimate
+from .proposals import ProposalStrategy
 
 MODES = (None, "graph", "inductor")
+
+#: plans kept per loss: a model whose plan changes every step stops being traced after this many
+MAX_PLANS = 16
 
 
 class _Leaf:
@@ -90,19 +95,31 @@ class _Flattener:
         if isinstance(obj, dict):
             self.key.append((dict, tuple(obj)))
             return {k: self.walk(v) for k, v in obj.items()}
-        if isinstance(obj, Distribution) or dataclasses.is_dataclass(obj):
+        if _copied_field_by_field(obj):
             self.key.append(kind)
             copy = object.__new__(kind)
-            # _validate_args is not part of the plan: a graph never validates (validate_samples)
-            copy.__dict__.update({k: self.walk(v) for k, v in vars(obj).items() if k != "_validate_args"})
+            copy.__dict__.update({k: self.walk(v) for k, v in vars(obj).items() if k not in _NOT_PLAN})
             return copy
-        self.key.append(("opaque", kind))
+        # Anything else is kept as it is, and the plan is this very object: a new one
+        # (say, a callable made afresh each step) is a new plan, traced again, never a
+        # stale constant.
+        self.key.append(("opaque", kind, id(obj)))
         return obj
 
     def walk_site(self, site: dict) -> dict:
         """The fields of a sample site that the factors read (see ``SITE_FIELDS``)."""
         return {field: self.walk(site[field]) for field in SITE_FIELDS}
 
+
+def _copied_field_by_field(obj) -> bool:
+    """Distributions, their transforms, proposal strategies and dataclasses (a site's ParticleDraw)."""
+    return isinstance(obj, (Distribution, Transform, ProposalStrategy)) or dataclasses.is_dataclass(obj)
+
+
+#: fields of those objects that are not part of the plan: validation (a graph never
+#: validates, see validate_samples), and a transform's weak reference to its inverse
+#: (rebuilt on demand)
+_NOT_PLAN = frozenset(["_validate_args", "_inv"])
 
 #: immutable values that go into the key as they are
 _ATOMS = frozenset([type(None), bool, int, float, str, torch.dtype, torch.device, torch.Size])
@@ -145,9 +162,11 @@ def _fill(obj, inputs: List[torch.Tensor]):
         return kind(*(_fill(item, inputs) for item in obj))
     if isinstance(obj, dict):
         return {k: _fill(v, inputs) for k, v in obj.items()}
-    if isinstance(obj, Distribution) or dataclasses.is_dataclass(obj):
+    if _copied_field_by_field(obj):
         copy = object.__new__(type(obj))
-        copy.__dict__.update({k: _fill(v, inputs) for k, v in vars(obj).items()})
+        copy.__dict__.update({k: _fill(v, inputs) for k, v in vars(obj).items() if k not in _NOT_PLAN})
+        if isinstance(copy, Transform):
+            copy._inv = None
         if isinstance(copy, Distribution):
             # a support check branches on values: it runs eagerly instead (validate_samples)
             copy._validate_args = False
@@ -208,7 +227,7 @@ def flatten_draw(draw, sources: Optional[Dict[str, torch.Tensor]], detach_guide_
         flattener.walk(draw.model_trace.tmc_scales),
     )
     source_template = flattener.walk(dict(sources or {}))
-    flattener.key.append(("detach", detach_guide_proposals))
+    flattener.key.append(("detach", detach_guide_proposals, torch.get_default_dtype()))
     attributes = [_tensor_attributes(t) for t in flattener.tensors]
     flat = FlatDraw(flattener.tensors, template, tuple(flattener.key), attributes)
     flat.source_template = source_template
@@ -306,6 +325,7 @@ class EstimateProgram:
         self.options = dict(options or {})
         self._programs: Dict[tuple, Optional[Callable]] = {}
         self.traces = 0  # how many graphs were traced (a test reads it)
+        self._warned_plans = False
 
     def log_estimate(
         self, draw, sources: Optional[Dict[str, torch.Tensor]], detach_guide_proposals: bool
@@ -317,6 +337,9 @@ class EstimateProgram:
         flat = flatten_draw(draw, sources, detach_guide_proposals)
         program = self._programs.get(flat.key, _MISSING)
         if program is _MISSING:
+            if len(self._programs) >= MAX_PLANS:
+                self._warn_too_many_plans()
+                return None
             program = self._build(flat, draw.settings, detach_guide_proposals)
             self._programs[flat.key] = program
         if program is None:
@@ -327,6 +350,18 @@ class EstimateProgram:
             self._programs[flat.key] = None
             _warn_fallback(f"{type(error).__name__}: {error}")
             return None
+
+    def _warn_too_many_plans(self) -> None:
+        if not self._warned_plans:
+            self._warned_plans = True
+            warnings.warn(
+                f"pyro_tmc traced {MAX_PLANS} different plans of this model's estimate (its "
+                "structure, shapes or the objects its distributions hold change from step to "
+                "step); new ones now run eagerly. Keep shapes fixed (e.g. drop_last=True) to "
+                "benefit from compile=.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
 
     def _build(self, flat: FlatDraw, settings, detach_guide_proposals: bool) -> Optional[Callable]:
         try:

@@ -339,3 +339,43 @@ def test_custom_autograd_function_falls_back():
     with pytest.warns(RuntimeWarning, match="custom autograd.Function _DoubleGrad"):
         result = _loss_and_grads(program, model, guide, (x,), 1)
     _assert_same(_loss_and_grads(eager, model, guide, (x,), 1), result)
+
+
+def transformed_model(x, temperature):
+    """A Python float inside a transform: part of the plan, not a constant frozen at its first value."""
+    theta = pyro.sample("theta", dist.Normal(x.new_zeros(()), 1.0))
+    with pyro.plate("data", x.shape[-1], dim=-1):
+        base = dist.Normal(theta, 1.0)
+        scaled = dist.TransformedDistribution(base, [dist.transforms.AffineTransform(0.0, temperature)])
+        pyro.sample("x", scaled, obs=x)
+
+
+def test_transform_parameters_are_part_of_the_plan():
+    pyro.clear_param_store()
+    x = torch.randn(5)
+    guide = AutoNormal(transformed_model)
+    eager, program = TMC_ELBO(4, 1), TMC_ELBO(4, 1, compile="graph")
+    _loss_and_grads(eager, transformed_model, guide, (x, 1.0), 0)
+    for seed, temperature in enumerate([1.0, 2.0, 1.0, 0.5]):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            result = _loss_and_grads(program, transformed_model, guide, (x, temperature), seed)
+        _assert_same(_loss_and_grads(eager, transformed_model, guide, (x, temperature), seed), result)
+    assert program.program.traces == 3  # one plan per temperature
+
+
+def test_too_many_plans_run_eagerly_with_one_warning(monkeypatch):
+    from pyro_tmc import compiled
+
+    monkeypatch.setattr(compiled, "MAX_PLANS", 2)
+    pyro.clear_param_store()
+    eager, program = TMC_ELBO(4, 1), TMC_ELBO(4, 1, compile="graph")
+    _loss_and_grads(eager, toy_model, toy_guide, (torch.randn(3),), 0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for seed, size in enumerate([3, 4, 5, 6, 7]):
+            x = torch.randn(size)
+            result = _loss_and_grads(program, toy_model, toy_guide, (x,), seed)
+            _assert_same(_loss_and_grads(eager, toy_model, toy_guide, (x,), seed), result)
+    assert program.program.traces == 2
+    assert len([w for w in caught if "different plans" in str(w.message)]) == 1
