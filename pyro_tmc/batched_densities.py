@@ -115,7 +115,8 @@ def batched_log_probs(pairs: Sequence[Tuple[Distribution, torch.Tensor]]) -> Lis
     ``fn.log_prob(value)`` for each pair that belongs to a group of at least
     :data:`MIN_GROUP` stackable pairs, computed in one call per group; ``None``
     for the rest (and for a group whose stacked evaluation raised: site by site,
-    the error names its site).
+    the error names its site). Each result is a slice of its group's stacked
+    tensor and says so (:func:`stacked_slice`).
     """
     if len(pairs) < MIN_GROUP:
         return [None] * len(pairs)
@@ -132,6 +133,15 @@ def batched_log_probs(pairs: Sequence[Tuple[Distribution, torch.Tensor]]) -> Lis
             log_probs = _group_log_prob([member for _, member in group])
         except (ValueError, RuntimeError, TypeError):
             continue
-        for (i, _), log_prob in zip(group, log_probs.unbind(0)):
+        for index, ((i, _), log_prob) in enumerate(zip(group, log_probs.unbind(0))):
+            log_prob._tmc_stack = (log_probs, index)  # where it came from: see stacked_slice
             results[i] = log_prob
     return results
+
+
+def stacked_slice(tensor: torch.Tensor) -> Optional[Tuple[torch.Tensor, int]]:
+    """
+    ``(stack, index)`` if ``tensor`` is ``stack[index]`` of a group evaluated here
+    (so that the contraction can take many such slices at once), else ``None``.
+    """
+    return getattr(tensor, "_tmc_stack", None)

@@ -18,9 +18,9 @@ scaling belongs.
 """
 
 import math
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Sequence, Tuple, Union
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from opt_einsum import shared_intermediates
@@ -29,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 from pyro.ops.contract import contract_to_tensor
 from pyro.ops.rings import LogRing
 
+from .batched_densities import stacked_slice
 from .log_einsum import safe_log, sequential_log_matmul_exp
 
 
@@ -265,7 +266,8 @@ def contract_log_factors(
     sum_dims = set("".join(t._pyro_dims for t in tensors)) - plates
     if _is_one_global_sum(tensors, sum_dims, plates):
         return _contract_one_global_sum(tensors, sum_dims, plate_scales)
-    tensors = reduce_chains(fuse_factors(tensors, plates), plates)
+    # chains first: their links and the unary factors of their inner dims go into one tree
+    tensors = fuse_factors(reduce_chains(tensors, plates), plates)
     sum_dims = set("".join(t._pyro_dims for t in tensors)) - plates
     return _contract(tensors, plate_scales, sum_dims)
 
@@ -274,77 +276,169 @@ def contract_log_factors(
 MIN_CHAIN_LENGTH = 4
 
 
+def _chain_structure(factors: List[torch.Tensor], plates: frozenset):
+    """
+    The factors' layout as a graph over particle dims: for each dim, the factors
+    holding it; the pairwise factors by pair of dims; the unary ones by dim.
+    """
+    own = [frozenset(t._pyro_dims) - plates for t in factors]
+    plate_sets = [plates.intersection(t._pyro_dims) for t in factors]
+    holders: Dict[str, List[int]] = defaultdict(list)
+    pairs: Dict[frozenset, List[int]] = defaultdict(list)
+    unary: Dict[str, List[int]] = defaultdict(list)
+    for i, dims in enumerate(own):
+        for d in dims:
+            holders[d].append(i)
+        if len(dims) == 2:
+            pairs[dims].append(i)
+        elif len(dims) == 1:
+            unary[next(iter(dims))].append(i)
+    return own, plate_sets, holders, pairs, unary
+
+
+def find_chains(factors: List[torch.Tensor], plates: frozenset) -> List[tuple]:
+    """
+    Chains ``z_1 - z_2 - ... - z_N`` of pairwise factors: each inner dim is held
+    only by factors over it and its two neighbours, or over it alone (unary), all
+    in one plate set, with one particle count along the chain.
+
+    :returns: ``(nodes, plate_set)`` per chain of at least :data:`MIN_CHAIN_LENGTH` links.
+    """
+    own, plate_sets, holders, pairs, _ = _chain_structure(factors, plates)
+    sizes = {d: s for t in factors for d, s in zip(t._pyro_dims, t.shape)}
+
+    def neighbours(dim: str, plate_set: frozenset) -> Optional[set]:
+        """The two neighbours of an inner dim, or ``None`` where the dim cannot be inner."""
+        held = holders[dim]
+        if any(len(own[i]) > 2 or plate_sets[i] != plate_set for i in held):
+            return None
+        found = {d for i in held for d in own[i]} - {dim}
+        return found if len(found) == 2 else None
+
+    used, chains = set(), []
+    for pair in list(pairs):
+        plate_set = plate_sets[pairs[pair][0]]
+        if pair in used or any(plate_sets[i] != plate_set for i in pairs[pair]):
+            continue
+        nodes = sorted(pair)
+        for grow_right in (True, False):  # extend from both ends through inner dims
+            while True:
+                end, previous = (nodes[-1], nodes[-2]) if grow_right else (nodes[0], nodes[1])
+                found = neighbours(end, plate_set)
+                if found is None:
+                    break
+                (following,) = found - {previous}
+                if following in nodes or frozenset((end, following)) in used:
+                    break  # a cycle, or a link another chain took
+                nodes = nodes + [following] if grow_right else [following] + nodes
+        links = [frozenset(p) for p in zip(nodes, nodes[1:])]
+        used.update(links)
+        if len(links) >= MIN_CHAIN_LENGTH and len({sizes[d] for d in nodes}) == 1:
+            chains.append((nodes, plate_set))
+    return chains
+
+
 def reduce_chains(factors: List[torch.Tensor], plates: frozenset) -> List[torch.Tensor]:
     """
     Contract every chain of pairwise factors (``pyro.markov`` models: z_1 - z_2 - ... - z_N)
-    in O(log N) depth: the factors along the chain are stacked and multiplied by a balanced
-    tree of log-matmul-exps, and replaced by one factor between the chain's two ends. An
-    inner particle dim of a chain is held by exactly its two neighbouring pairwise factors,
-    which share one plate set and one particle count; unary factors were already fused into
-    them (:func:`fuse_factors`). The result is the same sum, in ~log2(N) steps, not N.
+    in O(log N) depth (:func:`find_chains`): the links are stacked, each with the
+    unary factors of the dim it leads to added, and multiplied by a balanced tree of
+    log-matmul-exps (:func:`~pyro_tmc.log_einsum.sequential_log_matmul_exp`). The
+    chain is replaced by one factor between its two ends; the ends' unary factors
+    stay. Factors that are slices of one stacked tensor (the links' densities,
+    evaluated together: :mod:`pyro_tmc.batched_densities`) are taken in one
+    operation per stack, not one per link.
     """
-    holders: Dict[str, List[int]] = {}
-    for i, term in enumerate(factors):
-        for d in term._pyro_dims:
-            if d not in plates:
-                holders.setdefault(d, []).append(i)
-    pairwise = {i for i, t in enumerate(factors) if len(set(t._pyro_dims) - plates) == 2}
-    sizes = {d: s for t in factors for d, s in zip(t._pyro_dims, t.shape)}
-
-    def inner(dim, plate_set) -> bool:
-        ends = holders.get(dim, [])
-        return (
-            len(ends) == 2
-            and all(i in pairwise for i in ends)
-            and all(plates.intersection(factors[i]._pyro_dims) == plate_set for i in ends)
-        )
-
-    used, chains = set(), []
-    for start in sorted(pairwise):
-        if start in used:
-            continue
-        plate_set = plates.intersection(factors[start]._pyro_dims)
-        left, right = sorted(set(factors[start]._pyro_dims) - plates)
-        nodes, edges = [left, right], [start]
-        for grow_right in (True, False):  # extend from both ends through inner dims
-            while True:
-                end = nodes[-1] if grow_right else nodes[0]
-                following = [i for i in holders.get(end, []) if i not in edges]
-                if not inner(end, plate_set) or len(following) != 1 or following[0] in used:
-                    break
-                (nxt,) = following
-                (other,) = set(factors[nxt]._pyro_dims) - plates - {end}
-                if other in nodes:
-                    break  # a cycle
-                if grow_right:
-                    nodes, edges = nodes + [other], edges + [nxt]
-                else:
-                    nodes, edges = [other] + nodes, [nxt] + edges
-        used.update(edges)
-        if len(edges) >= MIN_CHAIN_LENGTH and len({sizes[d] for d in nodes}) == 1:
-            chains.append((nodes, edges, plate_set))
+    plates = frozenset(plates)
+    chains = find_chains(factors, plates)
     if not chains:
         return factors
-    replaced = set()
-    result = []
-    for nodes, edges, plate_set in chains:
+    _, _, _, pairs, unary = _chain_structure(factors, plates)
+    sizes = {d: s for t in factors for d, s in zip(t._pyro_dims, t.shape)}
+    replaced, products = set(), []
+    for nodes, plate_set in chains:
         batch = sorted(plate_set)
-        stack = torch.stack(
-            [_as_matrix(factors[i], batch, nodes[j], nodes[j + 1]) for j, i in enumerate(edges)], dim=-3
-        )
-        product = sequential_log_matmul_exp(stack)
+        count = len(nodes) - 1
+        link_items = [(j, i) for j in range(count) for i in pairs[frozenset(nodes[j : j + 2])]]
+        links = _gather_rows(factors, link_items, count, lambda j: batch + nodes[j : j + 2], sizes)
+        # a link z_j -> z_{j+1} takes the unary factors of z_{j+1} when that dim is inner
+        unary_items = [(j, i) for j in range(count - 1) for i in unary[nodes[j + 1]]]
+        if unary_items:
+            rows = _gather_rows(factors, unary_items, count, lambda j: batch + [nodes[j + 1]], sizes)
+            links = links + rows.unsqueeze(-2)
+        product = sequential_log_matmul_exp(links.movedim(0, -3))  # (plates..., links, K, K)
         product._pyro_dims = "".join(batch) + nodes[0] + nodes[-1]
-        result.append(product)
-        replaced.update(edges)
-    return [t for i, t in enumerate(factors) if i not in replaced] + result
+        products.append(product)
+        replaced.update(i for _, i in link_items + unary_items)
+    return [t for i, t in enumerate(factors) if i not in replaced] + products
 
 
-def _as_matrix(term: torch.Tensor, batch: List[str], row: str, col: str) -> torch.Tensor:
-    """A pairwise packed factor as a (plates..., row, col) matrix batch."""
-    order = batch + [row, col]
-    own = [d for d in order if d in term._pyro_dims]
-    tensor = term.permute(tuple(term._pyro_dims.index(d) for d in own))
-    return tensor.reshape([tensor.shape[own.index(d)] if d in own else 1 for d in order])
+def _gather_rows(
+    factors: List[torch.Tensor], items: List[Tuple[int, int]], count: int, dims_of, sizes: Dict[str, int]
+) -> torch.Tensor:
+    """
+    The sum, per row ``j`` of a new leading dim of length ``count``, of the factors
+    ``i`` listed as ``(j, i)``, each arranged with the dims ``dims_of(j)``. Slices of
+    one stacked tensor with the same arrangement are taken by one ``index_select``;
+    the rest are arranged one by one and stacked.
+    """
+    by_stack: Dict[tuple, List[Tuple[int, int, torch.Tensor]]] = defaultdict(list)
+    loose: List[Tuple[int, torch.Tensor]] = []
+    for j, i in items:
+        term, order = factors[i], dims_of(j)
+        where = stacked_slice(term)
+        if where is not None and all(d in term._pyro_dims for d in order) and len(order) == term.dim():
+            stack, index = where
+            permutation = tuple(term._pyro_dims.index(d) for d in order)
+            by_stack[(id(stack), permutation)].append((j, index, stack))
+        else:
+            shape = [sizes[d] for d in order]
+            loose.append((j, _broadcastable_to(term, "".join(order)).expand(shape)))
+    total = None
+    for (_, permutation), members in by_stack.items():
+        stack = members[0][2]
+        part = _take_rows(stack, [index for _, index, _ in members])
+        total = _add_rows(
+            total, [j for j, _, _ in members], part.permute((0,) + tuple(p + 1 for p in permutation)), count
+        )
+    if loose:
+        total = _add_rows(total, [j for j, _ in loose], torch.stack([t for _, t in loose]), count)
+    return total
+
+
+def _as_slice(indices: List[int]) -> Optional[slice]:
+    """The indices as a slice, where they step evenly upwards (the links of a chain do)."""
+    step = indices[1] - indices[0] if len(indices) > 1 else 1
+    if step > 0 and all(b - a == step for a, b in zip(indices, indices[1:])):
+        return slice(indices[0], indices[-1] + 1, step)
+    return None
+
+
+# Rows are taken and placed by slices, or one by one, never through an index tensor:
+# made here, it would be a constant in a traced graph (pyro_tmc.compiled), which
+# refuses constants.
+
+
+def _take_rows(stack: torch.Tensor, indices: List[int]) -> torch.Tensor:
+    """``stack[indices]``."""
+    where = _as_slice(indices)
+    if where is not None:
+        return stack[where]
+    return torch.stack([stack[i] for i in indices])
+
+
+def _add_rows(total: Optional[torch.Tensor], rows: List[int], part: torch.Tensor, count: int) -> torch.Tensor:
+    """``total`` (zeros if ``None``) with ``part[k]`` added to row ``rows[k]``."""
+    if total is None and rows == list(range(count)):
+        return part
+    if total is None:
+        total = part.new_zeros((count,) + part.shape[1:])
+    where = _as_slice(rows)
+    if where is not None:
+        return total.slice_scatter(total[where] + part, 0, where.start, where.stop, where.step)
+    for k, row in enumerate(rows):  # uneven rows (rare): one at a time
+        total = total.select_scatter(total[row] + part[k], 0, row)
+    return total
 
 
 def _is_one_global_sum(tensors, sum_dims, plates) -> bool:

@@ -26,7 +26,7 @@ from pyro.poutine import Trace
 from pyro.util import check_site_shape
 
 from . import log_density
-from .batched_densities import batched_log_probs
+from .batched_densities import batched_log_probs, stacked_slice
 from .contraction import ChunkedFactor, contract_log_factors
 from .proposals import proposal_log_prob
 from .scales import ScalePlan, plan_scales
@@ -232,10 +232,22 @@ def site_log_factors(
         factors = [_chunked_log_prob(site, extra_scale, max_factor_elements, mask)]
     else:
         log_p = _log_prob(site, precomputed=None if densities is None else densities.log_p)
-        factors = [_pack(site, scale_and_mask(log_p, extra_scale, mask), dim_to_symbol)]
+        packed = _stacked_log_p_factor(site, log_p, extra_scale, mask, densities, dim_to_symbol)
+        factors = [
+            packed
+            if packed is not None
+            else _pack(site, scale_and_mask(log_p, extra_scale, mask), dim_to_symbol)
+        ]
     proposal_term = 0.0
     if q_site is not None and not is_summed_exactly(q_site):
         detach = detach_guide_proposal and q_site is not site
+        stacked = None
+        if source is None:
+            stacked = _stacked_proposal_factor(
+                q_site, extra_scale, site["mask"], detach, densities, dim_to_symbol
+            )
+        if stacked is not None:
+            return factors + [stacked]
         proposal_term = _proposal_term(q_site, extra_scale, site["mask"], detach, densities)
     if source is not None:
         proposal_term = proposal_term + source
@@ -264,6 +276,12 @@ def guide_site_log_factors(
             f"Guide site '{site['name']}' is marked infer={{'enumerate': 'parallel'}} but the model "
             "has no site of that name, so TMC cannot sum it exactly. Drop the flag to sample it."
         )
+    if source is None:
+        stacked = _stacked_proposal_factor(
+            site, extra_scale, site["mask"], detach_guide_proposal, densities, site["infer"]["_dim_to_symbol"]
+        )
+        if stacked is not None:
+            return [stacked]
     term = _proposal_term(site, extra_scale, site["mask"], detach_guide_proposal, densities)
     if source is not None:
         term = term + source
@@ -318,11 +336,85 @@ def compute_log_factors(
     return factors
 
 
-class SiteDensities(NamedTuple):
-    """Log densities computed for groups of sites at once, by ``id`` of the site dict."""
+class SiteDensities:
+    """
+    Log densities computed for groups of sites at once (by ``id`` of the site
+    dict), and their packing, also done once per group: each site's packed
+    factor is then a slice of one stacked tensor and says so
+    (:func:`pyro_tmc.batched_densities.stacked_slice`), which lets the
+    contraction take a whole chain's links in one operation.
+    """
 
-    log_p: Dict[int, torch.Tensor]
-    log_q: Dict[int, torch.Tensor]
+    def __init__(self, log_p: Dict[int, torch.Tensor], log_q: Dict[int, torch.Tensor]) -> None:
+        self.log_p = log_p
+        self.log_q = log_q
+        self._squeezed: Dict[
+            int, tuple
+        ] = {}  # id(stack) -> (stack less its size-1 dims, its members, kept dims, stack)
+        self._terms: Dict[tuple, tuple] = {}  # (id(log q stack), detach, log K) -> (-log q - log K, stack)
+
+    def packed(
+        self, stack: torch.Tensor, index: int, dim_to_symbol: Dict[int, str]
+    ) -> Optional[torch.Tensor]:
+        """
+        ``pack(stack[index], dim_to_symbol)``, as a slice of the stack with its size-1
+        dims squeezed once for all its members; ``None`` where a dim has no symbol
+        (the site's own packing then raises the error that names it).
+        """
+        if id(stack) not in self._squeezed:
+            kept = [d for d in range(1, stack.dim()) if stack.shape[d] > 1]
+            squeezed = stack.reshape((stack.shape[0],) + tuple(stack.shape[d] for d in kept))
+            # one unbind for all members: its backward stacks their gradients once, where a
+            # select per member would write a whole stack-sized gradient for each
+            members = squeezed.unbind(0)
+            self._squeezed[id(stack)] = (squeezed, members, kept, stack)  # holding stack keeps its id unique
+        squeezed, members, kept, _ = self._squeezed[id(stack)]
+        rank = stack.dim() - 1  # a member's rank
+        try:
+            dims = "".join(dim_to_symbol[d - 1 - rank] for d in kept)
+        except KeyError:
+            return None
+        packed = members[index]
+        packed._pyro_dims = dims
+        packed._tmc_stack = (squeezed, index)
+        return packed
+
+    def proposal_terms(self, log_q: torch.Tensor, detach: bool, log_k: float) -> Optional[tuple]:
+        """``(-log q - log K, index)`` over the whole stack ``log_q`` is a slice of, computed once."""
+        where = stacked_slice(log_q)
+        if where is None:
+            return None
+        stack, index = where
+        key = (id(stack), detach, log_k)
+        if key not in self._terms:
+            base = stack.detach() if detach else stack
+            self._terms[key] = (-base - log_k if log_k else -base, stack)
+        return self._terms[key][0], index
+
+
+def _is_unit(scale) -> bool:
+    return isinstance(scale, (int, float)) and scale == 1.0
+
+
+def _stacked_log_p_factor(site, log_p, extra_scale, mask, densities, dim_to_symbol) -> Optional[torch.Tensor]:
+    """The site's packed ``log p`` as a slice of its group's stack, where nothing scales or masks it."""
+    where = None if densities is None else stacked_slice(log_p)
+    if where is None or mask is not None or not _is_unit(extra_scale):
+        return None
+    return densities.packed(*where, dim_to_symbol)
+
+
+def _stacked_proposal_factor(q_site, extra_scale, mask, detach, densities, dim_to_symbol):
+    """The packed ``-log q - log K`` as a slice of one stacked tensor for the group, where that is exact."""
+    draw = q_site["infer"].get("_tmc_draw")
+    if densities is None or draw is None or id(q_site) not in densities.log_q:
+        return None
+    if mask is not None or not _is_unit(extra_scale):
+        return None
+    detach = not q_site["is_observed"] and (not q_site["fn"].has_rsample or detach)  # as _proposal_term
+    log_k = 0.0 if draw.joint else math.log(draw.num_samples)
+    terms = densities.proposal_terms(densities.log_q[id(q_site)], detach, log_k)
+    return None if terms is None else densities.packed(*terms, dim_to_symbol)
 
 
 def site_densities(model_trace: Trace, guide_trace: Trace) -> SiteDensities:

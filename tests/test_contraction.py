@@ -214,3 +214,71 @@ def test_log_depth_chain_all_underflow_rows_stay_finite():
     assert torch.isfinite(value)
     (grad,) = torch.autograd.grad(value, [factors[2]])
     assert not torch.isnan(grad).any()
+
+
+def _stacked_chain_factors(length, size, plate_size=None, shuffle=False, seed=1):
+    """
+    A chain whose links and unary terms are slices of stacked tensors, as the batched
+    densities produce them: links alternate between two stacks of opposite orientation
+    (as pyro.markov's alternating dims give), some unary terms come from a stack and
+    some are loose, one pair has a second factor, and one link is loose.
+    """
+    torch.manual_seed(seed)
+    symbols = "".join(opt_einsum.get_symbol(i) for i in range(300, 301 + length))
+    plate, shape = ("P", [plate_size]) if plate_size else ("", [])
+    leaves, factors = [], []
+
+    def stacked(count, member_shape):
+        stack = (2 * torch.randn([count] + shape + member_shape)).requires_grad_()
+        leaves.append(stack)
+        return stack.unbind(0), stack
+
+    even = list(range(0, length, 2))
+    odd = list(range(1, length, 2))
+    if shuffle:
+        even = even[::-1]
+    for links, transposed in ((even, False), (odd, True)):
+        members, stack = stacked(len(links), [size, size])
+        for k, j in enumerate(links):
+            if j == length // 2:
+                continue  # this link is loose, below
+            term = members[k]
+            pair = symbols[j + 1] + symbols[j] if transposed else symbols[j] + symbols[j + 1]
+            term._pyro_dims = plate + pair
+            term._tmc_stack = (stack, k)
+            factors.append(term)
+    loose_link = (2 * torch.randn(shape + [size, size])).requires_grad_()
+    loose_link._pyro_dims = plate + symbols[length // 2] + symbols[length // 2 + 1]
+    extra_pair = (2 * torch.randn(shape + [size, size])).requires_grad_()
+    extra_pair._pyro_dims = plate + symbols[1] + symbols[2]  # a second factor on one pair
+    leaves += [loose_link, extra_pair]
+    factors += [loose_link, extra_pair]
+    members, stack = stacked(length + 1, [size])
+    for j in range(length + 1):
+        term = members[j]
+        term._pyro_dims = plate + symbols[j]
+        term._tmc_stack = (stack, j)
+        factors.append(term)
+    for j in range(0, length + 1, 4):  # and a few loose unary terms
+        term = torch.randn(shape + [size]).requires_grad_()
+        term._pyro_dims = plate + symbols[j]
+        leaves.append(term)
+        factors.append(term)
+    return factors, leaves, ({"P": 3.0} if plate_size else {})
+
+
+@pytest.mark.parametrize("plate_size", [None, 2])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_stacked_chain_equals_sequential_contraction(plate_size, shuffle, monkeypatch):
+    """Links and unary terms taken from their stacks in one operation give the sequential result."""
+    from pyro_tmc import contraction
+
+    factors, leaves, scales = _stacked_chain_factors(11, 3, plate_size, shuffle)
+    assert len(contraction.find_chains(factors, frozenset(scales))) == 1
+    tree = contraction.contract_log_factors(factors, scales)
+    tree_grads = torch.autograd.grad(tree, leaves, retain_graph=True)
+    monkeypatch.setattr(contraction, "MIN_CHAIN_LENGTH", 10**9)  # no tree: opt_einsum's sequential plan
+    sequential = contraction.contract_log_factors(factors, scales)
+    assert torch.allclose(tree, sequential, rtol=1e-5, atol=1e-4)
+    for g1, g2 in zip(tree_grads, torch.autograd.grad(sequential, leaves)):
+        assert torch.allclose(g1, g2, rtol=1e-4, atol=1e-5)
