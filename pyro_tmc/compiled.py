@@ -18,9 +18,17 @@ So, per *plan* (everything about a draw except its tensor values):
    as a hand-written compiled step would be).
 
 A draw the tracer cannot handle (a branch on tensor values, a tensor that is not
-among the inputs, a memory budget) falls back to the eager path, with one
-warning per plan. A shape change is a new key, hence a new graph: the graph is
-traced again only when the plan changes.
+among the inputs, a custom ``autograd.Function``, a memory budget) falls back to
+the eager path, with one warning per plan. A shape change is a new key, hence a
+new graph: the graph is traced again only when the plan changes, and at most
+:data:`MAX_PLANS` times per loss.
+
+What the key must hold, because the graph bakes it in: every Python value the
+factor code reads (distribution fields, transforms' fields, ``infer`` entries,
+scales, plate frames, the scale plan), each tensor's shape, strides, dtype,
+device and ``requires_grad``, the names of the attributes set on it, and the
+default dtype. An object the walker does not know is keyed by its identity, so a
+new one is a new plan rather than a stale constant.
 """
 
 import dataclasses
@@ -52,10 +60,10 @@ class _Leaf:
 class _Flattener:
     """
     Walks site dicts and replaces every tensor by a :class:`_Leaf`, recording a key
-    for the rest. Distributions and dataclasses are copied field by field; an
-    object of any other type is kept as it is and keyed by its type (it holds no
-    tensor the graph reads: a captured tensor would appear as a graph constant,
-    which :func:`trace_graph` refuses).
+    for the rest. Distributions, transforms, proposal strategies and dataclasses
+    are copied field by field; an object of any other type is kept as it is and
+    keyed by its identity (a tensor it holds is not an input: tracing with fake
+    tensors then fails, and the eager path runs).
     """
 
     def __init__(self) -> None:
