@@ -77,26 +77,27 @@ class _Member(NamedTuple):
 
 
 def _member(fn: Distribution, value: torch.Tensor) -> Optional[Tuple[Hashable, _Member]]:
-    """The group key (what sites must share to be stacked: types, names, padded shapes) and the parts."""
+    """The group key (what sites must share to be stacked: types, names, shapes) and the parts."""
     if not isinstance(value, torch.Tensor):
         return None
     wrappers, base = _unwrap(fn)
     params = _parameters(base)
     if params is None:
         return None
-    rank = max([value.dim()] + [p.dim() for p in params.values()])
-    shapes = tuple((name, p.dtype, _padded_shape(p, rank)) for name, p in params.items())
-    key = (wrappers, type(base), shapes, _padded_shape(value, rank), value.dtype, value.device)
+    shapes = tuple((name, p.dtype, p.shape) for name, p in params.items())
+    key = (wrappers, type(base), shapes, value.shape, value.dtype, value.device)
     return (key, base._validate_args), _Member(wrappers, base, params, value)
 
 
-def _padded_shape(tensor: torch.Tensor, rank: int) -> Tuple[int, ...]:
-    """The shape left-padded with 1s to ``rank`` (right-aligned, as broadcasting reads it)."""
-    return (1,) * (rank - tensor.dim()) + tuple(tensor.shape)
-
-
 def _stack_padded(tensors: Sequence[torch.Tensor], rank: int) -> torch.Tensor:
-    return torch.stack([t if t.dim() == rank else t.reshape(_padded_shape(t, rank)) for t in tensors])
+    """
+    The tensors (all of one shape) stacked along a new dim 0, their own dims
+    left-padded with size-1 dims to ``rank``: right-aligned, as broadcasting reads
+    them, so that parameters and values of different ranks still line up.
+    """
+    stacked = torch.stack(list(tensors))
+    pad = rank - (stacked.dim() - 1)
+    return stacked if pad == 0 else stacked.reshape(stacked.shape[:1] + (1,) * pad + stacked.shape[1:])
 
 
 def _group_log_prob(members: List[_Member]) -> torch.Tensor:

@@ -296,15 +296,16 @@ def _chain_structure(factors: List[torch.Tensor], plates: frozenset):
     return own, plate_sets, holders, pairs, unary
 
 
-def find_chains(factors: List[torch.Tensor], plates: frozenset) -> List[tuple]:
+def find_chains(factors: List[torch.Tensor], plates: frozenset, structure=None) -> List[tuple]:
     """
     Chains ``z_1 - z_2 - ... - z_N`` of pairwise factors: each inner dim is held
     only by factors over it and its two neighbours, or over it alone (unary), all
     in one plate set, with one particle count along the chain.
 
+    :param structure: :func:`_chain_structure` of the factors, if already computed.
     :returns: ``(nodes, plate_set)`` per chain of at least :data:`MIN_CHAIN_LENGTH` links.
     """
-    own, plate_sets, holders, pairs, _ = _chain_structure(factors, plates)
+    own, plate_sets, holders, pairs, _ = structure or _chain_structure(factors, plates)
     sizes = {d: s for t in factors for d, s in zip(t._pyro_dims, t.shape)}
 
     def neighbours(dim: str, plate_set: frozenset) -> Optional[set]:
@@ -350,10 +351,11 @@ def reduce_chains(factors: List[torch.Tensor], plates: frozenset) -> List[torch.
     operation per stack, not one per link.
     """
     plates = frozenset(plates)
-    chains = find_chains(factors, plates)
+    structure = _chain_structure(factors, plates)
+    chains = find_chains(factors, plates, structure)
     if not chains:
         return factors
-    _, _, _, pairs, unary = _chain_structure(factors, plates)
+    _, _, _, pairs, unary = structure
     sizes = {d: s for t in factors for d, s in zip(t._pyro_dims, t.shape)}
     replaced, products = set(), []
     for nodes, plate_set in chains:
