@@ -282,3 +282,28 @@ def test_stacked_chain_equals_sequential_contraction(plate_size, shuffle, monkey
     assert torch.allclose(tree, sequential, rtol=1e-5, atol=1e-4)
     for g1, g2 in zip(tree_grads, torch.autograd.grad(sequential, leaves)):
         assert torch.allclose(g1, g2, rtol=1e-4, atol=1e-5)
+
+
+def test_ring_of_pairwise_factors_equals_sequential_contraction(monkeypatch):
+    """A cycle z_0 - z_1 - ... - z_7 - z_0: the chain stops before closing it, and the sum is unchanged."""
+    from pyro_tmc import contraction
+
+    torch.manual_seed(3)
+    symbols = "".join(opt_einsum.get_symbol(i) for i in range(400, 408))
+    factors = []
+    for j in range(8):
+        term = torch.randn(3, 3).requires_grad_()
+        term._pyro_dims = symbols[j] + symbols[(j + 1) % 8]
+        factors.append(term)
+    for j in range(0, 8, 2):
+        term = torch.randn(3).requires_grad_()
+        term._pyro_dims = symbols[j]
+        factors.append(term)
+    (chain,) = contraction.find_chains(factors, frozenset())
+    assert len(chain[0]) == 8  # every node, one link left out
+    tree = contraction.contract_log_factors(factors, {})
+    monkeypatch.setattr(contraction, "MIN_CHAIN_LENGTH", 10**9)
+    sequential = contraction.contract_log_factors(factors, {})
+    assert torch.allclose(tree, sequential, rtol=1e-5, atol=1e-5)
+    for g1, g2 in zip(torch.autograd.grad(tree, factors), torch.autograd.grad(sequential, factors)):
+        assert torch.allclose(g1, g2, rtol=1e-4, atol=1e-5)
