@@ -379,3 +379,22 @@ def test_too_many_plans_run_eagerly_with_one_warning(monkeypatch):
             _assert_same(_loss_and_grads(eager, toy_model, toy_guide, (x,), seed), result)
     assert program.program.traces == 2
     assert len([w for w in caught if "different plans" in str(w.message)]) == 1
+
+
+def test_posterior_read_outs_equal_eager():
+    """compute_marginals reads the draw through sources: the graph takes them as inputs."""
+    pyro.clear_param_store()
+    x = torch.randn(6)
+    eager, program = TMC_ELBO(5, 1), TMC_ELBO(5, 1, compile="graph")
+    _loss_and_grads(eager, toy_model, toy_guide, (x,), 0)
+    for seed in (1, 2):
+        pyro.set_rng_seed(seed)
+        expected = eager.compute_marginals(toy_model, toy_guide, x)
+        pyro.set_rng_seed(seed)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            result = program.compute_marginals(toy_model, toy_guide, x)
+        for name in ("theta", "z"):
+            assert torch.allclose(result[name].mean, expected[name].mean, rtol=1e-5, atol=1e-6)
+            assert torch.allclose(result[name].variance, expected[name].variance, rtol=1e-5, atol=1e-6)
+    assert program.program.traces == 1
