@@ -335,6 +335,13 @@ class EstimateProgram:
         self.traces = 0  # how many graphs were traced (a test reads it)
         self._warned_plans = False
 
+    def __getstate__(self) -> dict:
+        # traced graphs and compiled code do not pickle (a loss sent to worker processes):
+        # a copy starts with an empty cache and traces its own
+        state = dict(self.__dict__)
+        state["_programs"] = {}
+        return state
+
     def log_estimate(
         self, draw, sources: Optional[Dict[str, torch.Tensor]], detach_guide_proposals: bool
     ) -> Optional[torch.Tensor]:

@@ -398,3 +398,19 @@ def test_posterior_read_outs_equal_eager():
             assert torch.allclose(result[name].mean, expected[name].mean, rtol=1e-5, atol=1e-6)
             assert torch.allclose(result[name].variance, expected[name].variance, rtol=1e-5, atol=1e-6)
     assert program.program.traces == 1
+
+
+@pytest.mark.parametrize("mode", ["graph", "inductor"])
+def test_loss_with_a_program_pickles(mode):
+    """A loss sent to worker processes (data-parallel training) pickles; the copy traces its own graphs."""
+    import pickle
+
+    torch._dynamo.reset()
+    pyro.clear_param_store()
+    x = torch.randn(5)
+    loss = TMC_ELBO(4, 1, compile=mode)
+    loss.differentiable_loss(toy_model, toy_guide, x).backward()
+    copy = pickle.loads(pickle.dumps(loss))
+    assert copy.program.traces == loss.program.traces == 1
+    copy.differentiable_loss(toy_model, toy_guide, x).backward()
+    assert copy.program.traces == 2  # its own trace; the original's cache is untouched
