@@ -7,10 +7,12 @@ stacked along a new leading dim, a whole group costs one call forward and one
 backward. Each site then gets its slice: the same values as its own ``log_prob``
 (with, at most, extra leading size-1 dims, which packing ignores).
 
-Only distributions whose parameters are all elementwise (every argument
-constraint has ``event_dim == 0``: Normal, Bernoulli, Gamma, ...), possibly
-wrapped in :class:`~torch.distributions.Independent`, from torch or Pyro itself
-(a user's subclass may hold state its constructor does not rebuild), are grouped.
+Only distributions over scalars (Normal, Bernoulli, Gamma, Categorical, ...),
+possibly wrapped in :class:`~torch.distributions.Independent`, from torch or Pyro
+itself (a user's subclass may hold state its constructor does not rebuild), and
+rebuilt from their constructor's tensor arguments, are grouped. A parameter's own
+event dims (a Categorical's logits over its categories) stay rightmost when the
+batch dims are lined up.
 Everything else, and any group whose stacked evaluation fails, is evaluated site
 by site as before.
 """
@@ -30,8 +32,12 @@ MIN_GROUP = 4
 _KNOWN_MODULES = ("torch.distributions", "pyro.distributions")
 
 
-def _parameters(base: Distribution) -> Optional[Dict[str, torch.Tensor]]:
-    """The constructor's tensor arguments of an elementwise distribution, else ``None``."""
+def _parameters(base: Distribution) -> Optional[Dict[str, Tuple[torch.Tensor, int]]]:
+    """
+    The constructor's tensor arguments of a distribution over scalars, each with
+    its own event dims (1 for a Categorical's logits, 0 for a Normal's loc), or
+    ``None`` where the distribution cannot be rebuilt from them.
+    """
     if not type(base).__module__.startswith(_KNOWN_MODULES) or base.event_shape != ():
         return None
     try:
@@ -44,9 +50,10 @@ def _parameters(base: Distribution) -> Optional[Dict[str, torch.Tensor]]:
     params = {}
     for name in names:
         value = base.__dict__.get(name)  # not getattr: a lazy probs/logits is not computed here
-        if not isinstance(value, torch.Tensor) or _event_dim(constraints[name]) != 0:
+        event_dim = _event_dim(constraints[name])
+        if not isinstance(value, torch.Tensor) or event_dim is None or event_dim > value.dim():
             return None
-        params[name] = value
+        params[name] = (value, event_dim)
     return params or None
 
 
@@ -72,7 +79,7 @@ class _Member(NamedTuple):
 
     wrappers: Tuple[Tuple[type, int], ...]
     base: Distribution
-    params: Dict[str, torch.Tensor]
+    params: Dict[str, Tuple[torch.Tensor, int]]  # name -> (tensor, its event dims)
     value: torch.Tensor
 
 
@@ -84,31 +91,34 @@ def _member(fn: Distribution, value: torch.Tensor) -> Optional[Tuple[Hashable, _
     params = _parameters(base)
     if params is None:
         return None
-    shapes = tuple((name, p.dtype, p.shape) for name, p in params.items())
+    shapes = tuple((name, p.dtype, p.shape, event_dim) for name, (p, event_dim) in params.items())
     key = (wrappers, type(base), shapes, value.shape, value.dtype, value.device)
     return (key, base._validate_args), _Member(wrappers, base, params, value)
 
 
-def _stack_padded(tensors: Sequence[torch.Tensor], rank: int) -> torch.Tensor:
+def _stack_padded(tensors: Sequence[torch.Tensor], batch_rank: int, event_dim: int = 0) -> torch.Tensor:
     """
-    The tensors (all of one shape) stacked along a new dim 0, their own dims
-    left-padded with size-1 dims to ``rank``: right-aligned, as broadcasting reads
-    them, so that parameters and values of different ranks still line up.
+    The tensors (all of one shape) stacked along a new dim 0, their batch dims
+    left-padded with size-1 dims to ``batch_rank``: right-aligned, as broadcasting
+    reads them, so that parameters and values of different ranks still line up.
     """
     stacked = torch.stack(list(tensors))
-    pad = rank - (stacked.dim() - 1)
+    pad = batch_rank - (stacked.dim() - 1 - event_dim)
     return stacked if pad == 0 else stacked.reshape(stacked.shape[:1] + (1,) * pad + stacked.shape[1:])
 
 
 def _group_log_prob(members: List[_Member]) -> torch.Tensor:
     """The members' log densities, stacked along a new leading dim, in one call."""
     first = members[0]
-    rank = max([first.value.dim()] + [p.dim() for p in first.params.values()])
-    stacked = {name: _stack_padded([m.params[name] for m in members], rank) for name in first.params}
+    batch_rank = max([first.value.dim()] + [p.dim() - e for p, e in first.params.values()])
+    stacked = {
+        name: _stack_padded([m.params[name][0] for m in members], batch_rank, event_dim)
+        for name, (_, event_dim) in first.params.items()
+    }
     batched = type(first.base)(**stacked, validate_args=first.base._validate_args)
     for wrapper, ndims in reversed(first.wrappers):
         batched = wrapper(batched, ndims)
-    return log_density.log_prob(batched, _stack_padded([m.value for m in members], rank))
+    return log_density.log_prob(batched, _stack_padded([m.value for m in members], batch_rank))
 
 
 def batched_log_probs(pairs: Sequence[Tuple[Distribution, torch.Tensor]]) -> List[Optional[torch.Tensor]]:

@@ -38,6 +38,14 @@ STACKABLE = {
         torch.bernoulli(torch.full((6,), 0.4), generator=g),
     ),
     "gamma": lambda g: (dist.Gamma(_randn(g, 4).exp(), _randn(g).exp()), _randn(g, 2, 4).exp()),
+    "categorical_logits_keep_their_event_dim": lambda g: (
+        dist.Categorical(logits=_randn(g, 3, 1, 4)),  # an HMM's emission: states x plate x symbols
+        torch.randint(4, (5,), generator=g),
+    ),
+    "categorical_probs": lambda g: (
+        dist.Categorical(probs=torch.rand(2, 3, generator=g) + 0.1),
+        torch.randint(3, (4, 1), generator=g),
+    ),
     "independent_normal": lambda g: (
         dist.Normal(_randn(g, 3, 1, 2), 0.7).to_event(1),
         _randn(g, 4, 2),
@@ -82,10 +90,6 @@ class ShiftedNormal(dist.Normal):
 
 NOT_STACKABLE = {
     "too_few": lambda g: (dist.Normal(_randn(g), 1.0), _randn(g, 3)),
-    "categorical_logits_have_an_event_dim": lambda g: (
-        dist.Categorical(logits=_randn(g, 3)),
-        torch.tensor(1),
-    ),
     "multivariate": lambda g: (dist.MultivariateNormal(_randn(g, 2), torch.eye(2)), _randn(g, 2)),
     "user_subclass": lambda g: (ShiftedNormal(_randn(g), 1.0, 0.5), _randn(g, 3)),
     "delta_dependent_constraint": lambda g: (dist.Delta(_randn(g, 3)), _randn(g, 3)),
