@@ -121,6 +121,32 @@ def _group_log_prob(members: List[_Member]) -> torch.Tensor:
     return log_density.log_prob(batched, _stack_padded([m.value for m in members], batch_rank))
 
 
+def _rebuilds_exactly(member: _Member) -> bool:
+    """
+    Whether the constructor, given the tensor parameters alone, makes the same
+    distribution: a setting held outside them (a ContinuousBernoulli's ``lims``)
+    would silently fall back to its default in the stacked copy.
+    """
+    params = {name: tensor for name, (tensor, _) in member.params.items()}
+    try:
+        rebuilt = type(member.base)(**params, validate_args=False)
+    except Exception:
+        return False
+    original, again = vars(member.base), vars(rebuilt)
+    for name in set(original) | set(again):
+        if name == "_validate_args":
+            continue
+        a, b = original.get(name), again.get(name)
+        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            continue  # parameters, and lazy caches computed from them
+        try:
+            if (name in original) != (name in again) or a != b:
+                return False
+        except Exception:  # a value that does not compare
+            return False
+    return True
+
+
 def batched_log_probs(pairs: Sequence[Tuple[Distribution, torch.Tensor]]) -> List[Optional[torch.Tensor]]:
     """
     ``fn.log_prob(value)`` for each pair that belongs to a group of at least
@@ -138,7 +164,7 @@ def batched_log_probs(pairs: Sequence[Tuple[Distribution, torch.Tensor]]) -> Lis
             groups[keyed[0]].append((i, keyed[1]))
     results: List[Optional[torch.Tensor]] = [None] * len(pairs)
     for group in groups.values():
-        if len(group) < MIN_GROUP:
+        if len(group) < MIN_GROUP or not _rebuilds_exactly(group[0][1]):
             continue
         try:
             log_probs = _group_log_prob([member for _, member in group])

@@ -93,6 +93,10 @@ NOT_STACKABLE = {
     "multivariate": lambda g: (dist.MultivariateNormal(_randn(g, 2), torch.eye(2)), _randn(g, 2)),
     "user_subclass": lambda g: (ShiftedNormal(_randn(g), 1.0, 0.5), _randn(g, 3)),
     "delta_dependent_constraint": lambda g: (dist.Delta(_randn(g, 3)), _randn(g, 3)),
+    "setting_outside_the_parameters": lambda g: (  # rebuilt from probs alone, lims would be lost
+        torch.distributions.ContinuousBernoulli(probs=torch.rand(3, generator=g), lims=(0.2, 0.8)),
+        torch.rand(3, generator=g),
+    ),
 }
 
 
