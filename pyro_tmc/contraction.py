@@ -367,7 +367,7 @@ def reduce_chains(factors: List[torch.Tensor], plates: frozenset) -> List[torch.
         unary_items = [(j, i) for j in range(count - 1) for i in unary[nodes[j + 1]]]
         if unary_items:
             rows = _gather_rows(factors, unary_items, count, lambda j: batch + [nodes[j + 1]], sizes)
-            links = links + rows.unsqueeze(-2)
+            links = links + rows.unsqueeze(-2)  # a new tensor: links may be a view of the densities
         product = sequential_log_matmul_exp(links.movedim(0, -3))  # (plates..., links, K, K)
         product._pyro_dims = "".join(batch) + nodes[0] + nodes[-1]
         products.append(product)
@@ -396,15 +396,33 @@ def _gather_rows(
         else:
             shape = [sizes[d] for d in order]
             loose.append((j, _broadcastable_to(term, "".join(order)).expand(shape)))
-    total = None
+    parts: List[Tuple[List[int], torch.Tensor]] = []
     for (_, permutation), members in by_stack.items():
-        stack = members[0][2]
-        part = _take_rows(stack, [index for _, index, _ in members])
-        total = _add_rows(
-            total, [j for j, _, _ in members], part.permute((0,) + tuple(p + 1 for p in permutation)), count
-        )
+        part = _take_rows(members[0][2], [index for _, index, _ in members])
+        parts.append(([j for j, _, _ in members], part.permute((0,) + tuple(p + 1 for p in permutation))))
     if loose:
-        total = _add_rows(total, [j for j, _ in loose], torch.stack([t for _, t in loose]), count)
+        parts.append(([j for j, _ in loose], torch.stack([t for _, t in loose])))
+    return _place_rows(parts, count)
+
+
+def _place_rows(parts: List[Tuple[List[int], torch.Tensor]], count: int) -> torch.Tensor:
+    """
+    A tensor with ``count`` rows, the sum of ``part[k]`` placed at row ``rows[k]``
+    for each ``(rows, part)``: one part covering every row in order is returned as
+    it is; otherwise the parts are added into one new buffer in place (one buffer,
+    not one per part: a chain's links are tens of megabytes at large K).
+    """
+    (rows, part), rest = parts[0], parts[1:]
+    if not rest and rows == list(range(count)):
+        return part
+    total = part.new_zeros((count,) + tuple(part.shape[1:]))
+    for rows, part in parts:
+        where = _as_slice(rows)
+        if where is not None:
+            total[where] += part
+        else:  # uneven rows (rare): one at a time
+            for k, row in enumerate(rows):
+                total[row] += part[k]
     return total
 
 
@@ -427,20 +445,6 @@ def _take_rows(stack: torch.Tensor, indices: List[int]) -> torch.Tensor:
     if where is not None:
         return stack[where]
     return torch.stack([stack[i] for i in indices])
-
-
-def _add_rows(total: Optional[torch.Tensor], rows: List[int], part: torch.Tensor, count: int) -> torch.Tensor:
-    """``total`` (zeros if ``None``) with ``part[k]`` added to row ``rows[k]``."""
-    if total is None and rows == list(range(count)):
-        return part
-    if total is None:
-        total = part.new_zeros((count,) + part.shape[1:])
-    where = _as_slice(rows)
-    if where is not None:
-        return total.slice_scatter(total[where] + part, 0, where.start, where.stop, where.step)
-    for k, row in enumerate(rows):  # uneven rows (rare): one at a time
-        total = total.select_scatter(total[row] + part[k], 0, row)
-    return total
 
 
 def _is_one_global_sum(tensors, sum_dims, plates) -> bool:
