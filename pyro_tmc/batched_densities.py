@@ -24,6 +24,7 @@ import torch
 from torch.distributions import Distribution, Independent
 
 from . import log_density
+from .proposals import constructor_parameters
 
 #: the smallest group worth stacking: below this, site by site is as fast
 MIN_GROUP = 4
@@ -34,27 +35,27 @@ _KNOWN_MODULES = ("torch.distributions", "pyro.distributions")
 
 def _parameters(base: Distribution) -> Optional[Dict[str, Tuple[torch.Tensor, int]]]:
     """
-    The constructor's tensor arguments of a distribution over scalars, each with
-    its own event dims (1 for a Categorical's logits, 0 for a Normal's loc), or
-    ``None`` where the distribution cannot be rebuilt from them.
+    The constructor's tensor arguments of a distribution over scalars
+    (:func:`~pyro_tmc.proposals.constructor_parameters`), each with its own event
+    dims (1 for a Categorical's logits, 0 for a Normal's loc), or ``None`` where
+    the distribution cannot be rebuilt from them.
     """
     if not type(base).__module__.startswith(_KNOWN_MODULES) or base.event_shape != ():
         return None
     try:
+        params = constructor_parameters(base, as_given=True)
         constraints = base.arg_constraints
     except NotImplementedError:
         return None
-    names = list(constraints)
-    if "probs" in names and "logits" in names:  # one of the pair: the one the constructor was given
-        names.remove("probs" if "logits" in base.__dict__ else "logits")
-    params = {}
-    for name in names:
-        value = base.__dict__.get(name)  # not getattr: a lazy probs/logits is not computed here
+    if params is None:
+        return None
+    with_event_dims = {}
+    for name, tensor in params.items():
         event_dim = _event_dim(constraints[name])
-        if not isinstance(value, torch.Tensor) or event_dim is None or event_dim > value.dim():
+        if event_dim is None or event_dim > tensor.dim():
             return None
-        params[name] = (value, event_dim)
-    return params or None
+        with_event_dims[name] = (tensor, event_dim)
+    return with_event_dims
 
 
 def _event_dim(constraint) -> Optional[int]:
@@ -147,13 +148,15 @@ def _rebuilds_exactly(member: _Member) -> bool:
     return True
 
 
-def batched_log_probs(pairs: Sequence[Tuple[Distribution, torch.Tensor]]) -> List[Optional[torch.Tensor]]:
+def stacked_log_probs(
+    pairs: Sequence[Tuple[Distribution, torch.Tensor]],
+) -> List[Optional[Tuple[torch.Tensor, int]]]:
     """
     ``fn.log_prob(value)`` for each pair that belongs to a group of at least
-    :data:`MIN_GROUP` stackable pairs, computed in one call per group; ``None``
-    for the rest (and for a group whose stacked evaluation raised: site by site,
-    the error names its site). Each result is a slice of its group's stacked
-    tensor and says so (:func:`stacked_slice`).
+    :data:`MIN_GROUP` stackable pairs, computed in one call per group and given
+    as ``(stack, index)``: ``stack[index]`` is the pair's log density. ``None``
+    for the rest, and for a group whose stacked evaluation raised (site by site,
+    the error names its site).
     """
     if len(pairs) < MIN_GROUP:
         return [None] * len(pairs)
@@ -162,7 +165,7 @@ def batched_log_probs(pairs: Sequence[Tuple[Distribution, torch.Tensor]]) -> Lis
         keyed = _member(fn, value)
         if keyed is not None:
             groups[keyed[0]].append((i, keyed[1]))
-    results: List[Optional[torch.Tensor]] = [None] * len(pairs)
+    results: List[Optional[Tuple[torch.Tensor, int]]] = [None] * len(pairs)
     for group in groups.values():
         if len(group) < MIN_GROUP or not _rebuilds_exactly(group[0][1]):
             continue
@@ -170,15 +173,30 @@ def batched_log_probs(pairs: Sequence[Tuple[Distribution, torch.Tensor]]) -> Lis
             log_probs = _group_log_prob([member for _, member in group])
         except (ValueError, RuntimeError, TypeError):
             continue
-        for index, ((i, _), log_prob) in enumerate(zip(group, log_probs.unbind(0))):
-            log_prob._tmc_stack = (log_probs, index)  # where it came from: see stacked_slice
-            results[i] = log_prob
+        for index, (i, _) in enumerate(group):
+            results[i] = (log_probs, index)
+    return results
+
+
+def batched_log_probs(pairs: Sequence[Tuple[Distribution, torch.Tensor]]) -> List[Optional[torch.Tensor]]:
+    """:func:`stacked_log_probs` as tensors: each pair's slice of its group's stack."""
+    members: Dict[int, tuple] = {}
+    results = []
+    for where in stacked_log_probs(pairs):
+        if where is None:
+            results.append(None)
+            continue
+        stack, index = where
+        if id(stack) not in members:
+            members[id(stack)] = stack.unbind(0)  # one unbind: its backward stacks the gradients once
+        results.append(members[id(stack)][index])
     return results
 
 
 def stacked_slice(tensor: torch.Tensor) -> Optional[Tuple[torch.Tensor, int]]:
     """
-    ``(stack, index)`` if ``tensor`` is ``stack[index]`` of a group evaluated here
-    (so that the contraction can take many such slices at once), else ``None``.
+    ``(stack, index)`` if ``tensor`` is ``stack[index]`` of a stack of log factors
+    (a packed factor of :class:`pyro_tmc.factors.SiteDensities`), so that the
+    contraction can take many such slices at once; else ``None``.
     """
     return getattr(tensor, "_tmc_stack", None)

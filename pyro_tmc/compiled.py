@@ -39,7 +39,7 @@ import torch
 from torch.distributions import Distribution
 from torch.distributions.transforms import Transform
 
-from .factors import compute_log_factors, contract_estimate
+from .factors import compute_log_factors, contract_estimate, log_prob_error
 from .proposals import ProposalStrategy
 
 MODES = (None, "graph", "inductor")
@@ -195,8 +195,7 @@ def validate_samples(draw) -> None:
                 try:
                     fn._validate_sample(site["value"])
                 except ValueError as error:
-                    name = site["name"]
-                    raise ValueError(f"Error while computing log_prob at site '{name}': {error}") from error
+                    raise log_prob_error(site, error) from error
 
 
 class _TraceView:
@@ -214,6 +213,8 @@ class FlatDraw:
 
     tensors: List[torch.Tensor]
     template: Tuple[dict, dict, Any]
+    #: the sources (site name -> zero tensor) with their tensors as leaves
+    source_template: dict
     key: tuple
     tensor_attributes: List[dict]
 
@@ -237,9 +238,7 @@ def flatten_draw(draw, sources: Optional[Dict[str, torch.Tensor]], detach_guide_
     source_template = flattener.walk(dict(sources or {}))
     flattener.key.append(("detach", detach_guide_proposals, torch.get_default_dtype()))
     attributes = [_tensor_attributes(t) for t in flattener.tensors]
-    flat = FlatDraw(flattener.tensors, template, tuple(flattener.key), attributes)
-    flat.source_template = source_template
-    return flat
+    return FlatDraw(flattener.tensors, template, source_template, tuple(flattener.key), attributes)
 
 
 class GraphFallback(Exception):

@@ -20,7 +20,7 @@ scaling belongs.
 import math
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from opt_einsum import shared_intermediates
@@ -276,13 +276,20 @@ def contract_log_factors(
 MIN_CHAIN_LENGTH = 4
 
 
-def _chain_structure(factors: List[torch.Tensor], plates: frozenset):
-    """
-    The factors' layout as a graph over particle dims: for each dim, the factors
-    holding it; the pairwise factors by pair of dims; the unary ones by dim.
-    """
+class ChainStructure(NamedTuple):
+    """The factors' layout as a graph over particle dims (see :func:`chain_structure`)."""
+
+    own: List[frozenset]  # each factor's particle dims
+    plate_sets: List[frozenset]  # each factor's plate dims
+    holders: Dict[str, List[int]]  # dim -> the factors holding it
+    pairs: Dict[frozenset, List[int]]  # pair of dims -> the factors over exactly those two
+    unary: Dict[str, List[int]]  # dim -> the factors over it alone
+    sizes: Dict[str, int]  # dim -> its length
+
+
+def chain_structure(factors: List[torch.Tensor], plates: frozenset) -> ChainStructure:
+    """The factors' layout as a graph over particle dims, read once for finding and reducing chains."""
     own = [frozenset(t._pyro_dims) - plates for t in factors]
-    plate_sets = [plates.intersection(t._pyro_dims) for t in factors]
     holders: Dict[str, List[int]] = defaultdict(list)
     pairs: Dict[frozenset, List[int]] = defaultdict(list)
     unary: Dict[str, List[int]] = defaultdict(list)
@@ -293,20 +300,23 @@ def _chain_structure(factors: List[torch.Tensor], plates: frozenset):
             pairs[dims].append(i)
         elif len(dims) == 1:
             unary[next(iter(dims))].append(i)
-    return own, plate_sets, holders, pairs, unary
+    plate_sets = [plates.intersection(t._pyro_dims) for t in factors]
+    sizes = {d: n for t in factors for d, n in zip(t._pyro_dims, t.shape)}
+    return ChainStructure(own, plate_sets, holders, pairs, unary, sizes)
 
 
-def find_chains(factors: List[torch.Tensor], plates: frozenset, structure=None) -> List[tuple]:
+def find_chains(
+    factors: List[torch.Tensor], plates: frozenset, structure: Optional[ChainStructure] = None
+) -> List[tuple]:
     """
     Chains ``z_1 - z_2 - ... - z_N`` of pairwise factors: each inner dim is held
     only by factors over it and its two neighbours, or over it alone (unary), all
     in one plate set, with one particle count along the chain.
 
-    :param structure: :func:`_chain_structure` of the factors, if already computed.
+    :param structure: :func:`chain_structure` of the factors, if already computed.
     :returns: ``(nodes, plate_set)`` per chain of at least :data:`MIN_CHAIN_LENGTH` links.
     """
-    own, plate_sets, holders, pairs, _ = structure or _chain_structure(factors, plates)
-    sizes = {d: s for t in factors for d, s in zip(t._pyro_dims, t.shape)}
+    own, plate_sets, holders, pairs, _, sizes = structure or chain_structure(factors, plates)
 
     def neighbours(dim: str, plate_set: frozenset) -> Optional[set]:
         """The two neighbours of an inner dim, or ``None`` where the dim cannot be inner."""
@@ -351,12 +361,11 @@ def reduce_chains(factors: List[torch.Tensor], plates: frozenset) -> List[torch.
     operation per stack, not one per link.
     """
     plates = frozenset(plates)
-    structure = _chain_structure(factors, plates)
+    structure = chain_structure(factors, plates)
     chains = find_chains(factors, plates, structure)
     if not chains:
         return factors
-    _, _, _, pairs, unary = structure
-    sizes = {d: s for t in factors for d, s in zip(t._pyro_dims, t.shape)}
+    pairs, unary, sizes = structure.pairs, structure.unary, structure.sizes
     replaced, products = set(), []
     for nodes, plate_set in chains:
         batch = sorted(plate_set)
@@ -381,8 +390,8 @@ def _gather_rows(
     """
     The sum, per row ``j`` of a new leading dim of length ``count``, of the factors
     ``i`` listed as ``(j, i)``, each arranged with the dims ``dims_of(j)``. Slices of
-    one stacked tensor with the same arrangement are taken by one ``index_select``;
-    the rest are arranged one by one and stacked.
+    one stacked tensor with the same arrangement are taken together, by one slice of
+    the stack; the rest are arranged one by one and stacked.
     """
     by_stack: Dict[tuple, List[Tuple[int, int, torch.Tensor]]] = defaultdict(list)
     loose: List[Tuple[int, torch.Tensor]] = []

@@ -26,7 +26,7 @@ from pyro.poutine import Trace
 from pyro.util import check_site_shape
 
 from . import log_density
-from .batched_densities import batched_log_probs, stacked_slice
+from .batched_densities import stacked_log_probs
 from .contraction import ChunkedFactor, contract_log_factors
 from .proposals import proposal_log_prob
 from .scales import ScalePlan, plan_scales
@@ -83,16 +83,21 @@ def _pack(site, tensor: torch.Tensor, dim_to_symbol) -> torch.Tensor:
         ) from error
 
 
-def _log_prob(site, value=None, precomputed: Optional[Dict[int, torch.Tensor]] = None) -> torch.Tensor:
-    if value is None and precomputed is not None and id(site) in precomputed:
-        return precomputed[id(site)]
+def log_prob_error(site, error: ValueError) -> ValueError:
+    """A distribution's complaint about a value, naming the site it came from."""
+    return ValueError(f"Error while computing log_prob at site '{site['name']}': {error}")
+
+
+def _log_prob(site, value=None, densities: Optional["SiteDensities"] = None) -> torch.Tensor:
+    if value is None and densities is not None and id(site) in densities.log_p:
+        return densities.member(*densities.log_p[id(site)])
     fn = site["fn"]
     try:
         return log_density.log_prob(
             fn, site["value"] if value is None else value, *site["args"], **site["kwargs"]
         )
     except ValueError as e:
-        raise ValueError(f"Error while computing log_prob at site '{site['name']}': {e}") from e
+        raise log_prob_error(site, e) from e
 
 
 def _log_prob_numel(site) -> int:
@@ -166,7 +171,7 @@ def _proposal_term(q_site, extra_scale, mask, detach: bool, densities: Optional[
     if draw is None:
         log_q = _log_prob(q_site)
     elif densities is not None and id(q_site) in densities.log_q:
-        log_q = densities.log_q[id(q_site)]
+        log_q = densities.member(*densities.log_q[id(q_site)])
     else:
         log_q = proposal_log_prob(q_site["fn"], q_site["value"], draw)
     if not q_site["is_observed"] and (not q_site["fn"].has_rsample or detach):
@@ -231,13 +236,11 @@ def site_log_factors(
     ):
         factors = [_chunked_log_prob(site, extra_scale, max_factor_elements, mask)]
     else:
-        log_p = _log_prob(site, precomputed=None if densities is None else densities.log_p)
-        packed = _stacked_log_p_factor(site, log_p, extra_scale, mask, densities, dim_to_symbol)
-        factors = [
-            packed
-            if packed is not None
-            else _pack(site, scale_and_mask(log_p, extra_scale, mask), dim_to_symbol)
-        ]
+        packed = _stacked_log_p_factor(site, extra_scale, mask, densities, dim_to_symbol)
+        if packed is None:
+            log_p = _log_prob(site, densities=densities)
+            packed = _pack(site, scale_and_mask(log_p, extra_scale, mask), dim_to_symbol)
+        factors = [packed]
     proposal_term = 0.0
     if q_site is not None and not is_summed_exactly(q_site):
         detach = detach_guide_proposal and q_site is not site
@@ -338,20 +341,31 @@ def compute_log_factors(
 
 class SiteDensities:
     """
-    Log densities computed for groups of sites at once (by ``id`` of the site
-    dict), and their packing, also done once per group: each site's packed
-    factor is then a slice of one stacked tensor and says so
+    Log densities computed for groups of sites at once, kept as ``(stack, index)``
+    by ``id`` of the site dict (:func:`~pyro_tmc.batched_densities.stacked_log_probs`),
+    and their packing, also done once per group: each site's packed factor is then
+    a slice of one stacked tensor and says so
     (:func:`pyro_tmc.batched_densities.stacked_slice`), which lets the
     contraction take a whole chain's links in one operation.
     """
 
-    def __init__(self, log_p: Dict[int, torch.Tensor], log_q: Dict[int, torch.Tensor]) -> None:
+    def __init__(self, log_p: Dict[int, tuple], log_q: Dict[int, tuple]) -> None:
         self.log_p = log_p
         self.log_q = log_q
-        self._squeezed: Dict[
-            int, tuple
-        ] = {}  # id(stack) -> (stack less its size-1 dims, its members, kept dims, stack)
+        self._members: Dict[int, tuple] = {}  # id(stack) -> (its members, stack)
+        # id(stack) -> (stack less its size-1 dims, its members, kept dims, stack)
+        self._squeezed: Dict[int, tuple] = {}
         self._terms: Dict[tuple, tuple] = {}  # (id(log q stack), detach, log K) -> (-log q - log K, stack)
+
+    def member(self, stack: torch.Tensor, index: int) -> torch.Tensor:
+        """
+        ``stack[index]``, by one unbind for all members of the stack: its backward
+        stacks their gradients once, where a select per member would write a whole
+        stack-sized gradient for each. (Holding the stack keeps its id unique.)
+        """
+        if id(stack) not in self._members:
+            self._members[id(stack)] = (stack.unbind(0), stack)
+        return self._members[id(stack)][0][index]
 
     def packed(
         self, stack: torch.Tensor, index: int, dim_to_symbol: Dict[int, str]
@@ -364,26 +378,20 @@ class SiteDensities:
         if id(stack) not in self._squeezed:
             kept = [d for d in range(1, stack.dim()) if stack.shape[d] > 1]
             squeezed = stack.reshape((stack.shape[0],) + tuple(stack.shape[d] for d in kept))
-            # one unbind for all members: its backward stacks their gradients once, where a
-            # select per member would write a whole stack-sized gradient for each
-            members = squeezed.unbind(0)
-            self._squeezed[id(stack)] = (squeezed, members, kept, stack)  # holding stack keeps its id unique
-        squeezed, members, kept, _ = self._squeezed[id(stack)]
+            self._squeezed[id(stack)] = (squeezed, kept, stack)
+        squeezed, kept, _ = self._squeezed[id(stack)]
         rank = stack.dim() - 1  # a member's rank
         try:
             dims = "".join(dim_to_symbol[d - 1 - rank] for d in kept)
         except KeyError:
             return None
-        packed = members[index]
+        packed = self.member(squeezed, index)
         packed._pyro_dims = dims
         packed._tmc_stack = (squeezed, index)
         return packed
 
-    def proposal_terms(self, log_q: torch.Tensor, detach: bool, log_k: float) -> Optional[tuple]:
-        """``(-log q - log K, index)`` over the whole stack ``log_q`` is a slice of, computed once."""
-        where = stacked_slice(log_q)
-        if where is None:
-            return None
+    def proposal_terms(self, where: tuple, detach: bool, log_k: float) -> tuple:
+        """``(-log q - log K, index)`` for the ``log q`` at ``where = (stack, index)``, once per stack."""
         stack, index = where
         key = (id(stack), detach, log_k)
         if key not in self._terms:
@@ -396,9 +404,9 @@ def _is_unit(scale) -> bool:
     return isinstance(scale, (int, float)) and scale == 1.0
 
 
-def _stacked_log_p_factor(site, log_p, extra_scale, mask, densities, dim_to_symbol) -> Optional[torch.Tensor]:
+def _stacked_log_p_factor(site, extra_scale, mask, densities, dim_to_symbol) -> Optional[torch.Tensor]:
     """The site's packed ``log p`` as a slice of its group's stack, where nothing scales or masks it."""
-    where = None if densities is None else stacked_slice(log_p)
+    where = None if densities is None else densities.log_p.get(id(site))
     if where is None or mask is not None or not _is_unit(extra_scale):
         return None
     return densities.packed(*where, dim_to_symbol)
@@ -414,14 +422,14 @@ def _stacked_proposal_factor(q_site, extra_scale, mask, detach, densities, dim_t
     detach = not q_site["is_observed"] and (not q_site["fn"].has_rsample or detach)  # as _proposal_term
     log_k = 0.0 if draw.joint else math.log(draw.num_samples)
     terms = densities.proposal_terms(densities.log_q[id(q_site)], detach, log_k)
-    return None if terms is None else densities.packed(*terms, dim_to_symbol)
+    return densities.packed(*terms, dim_to_symbol)
 
 
 def site_densities(model_trace: Trace, guide_trace: Trace) -> SiteDensities:
     """
     The model's ``log p`` of every sample site, and the ``log q`` of every proposal
     that drew its particles on its own (no upstream particle dims), for the sites
-    that :func:`pyro_tmc.batched_densities.batched_log_probs` can evaluate in groups
+    that :func:`pyro_tmc.batched_densities.stacked_log_probs` can evaluate in groups
     (the links of a ``pyro.markov`` chain); the others are left out.
     """
     p_sites = [
@@ -439,8 +447,8 @@ def site_densities(model_trace: Trace, guide_trace: Trace) -> SiteDensities:
         if draw is not None and not draw.parent_dims:
             q_sites.append(site)
     # apart: a small model has too few of either to group, and then costs nothing here
-    log_p = batched_log_probs([(site["fn"], site["value"]) for site in p_sites])
-    log_q = batched_log_probs([(site["fn"], site["value"]) for site in q_sites])
+    log_p = stacked_log_probs([(site["fn"], site["value"]) for site in p_sites])
+    log_q = stacked_log_probs([(site["fn"], site["value"]) for site in q_sites])
     return SiteDensities(
         {id(s): lp for s, lp in zip(p_sites, log_p) if lp is not None},
         {id(s): lp for s, lp in zip(q_sites, log_q) if lp is not None},

@@ -247,7 +247,7 @@ def _select_particles(
     return x[tuple(index)]
 
 
-def constructor_parameters(fn: Distribution) -> Optional[Dict[str, torch.Tensor]]:
+def constructor_parameters(fn: Distribution, as_given: bool = False) -> Optional[Dict[str, torch.Tensor]]:
     """
     The tensors that rebuild ``fn`` through its constructor, read from its own
     parameters, or ``None`` where no rule is known (the caller then falls back
@@ -257,6 +257,10 @@ def constructor_parameters(fn: Distribution) -> Optional[Dict[str, torch.Tensor]
     torch's distributions are exactly its constructor's tensor arguments.
     Wrappers whose construction is not their parameters (masked, expanded,
     transformed) have no rule.
+
+    :param bool as_given: of ``probs`` and ``logits``, take the one the
+        distribution was built with, rather than computing the other (one
+        tensor operation per call, on a hot path for stacked densities).
     """
     if isinstance(fn, (MaskedDistribution, ExpandedDistribution, TransformedDistribution)):
         return None
@@ -267,7 +271,7 @@ def constructor_parameters(fn: Distribution) -> Optional[Dict[str, torch.Tensor]
     else:
         names = list(fn.arg_constraints)
         if "probs" in names and "logits" in names:
-            names.remove("probs")
+            names.remove("logits" if as_given and "logits" not in fn.__dict__ else "probs")
     params = {}
     for name in names:
         value = getattr(fn, name, None)
