@@ -14,6 +14,7 @@ factors for a directed graphical model"):
 Dims are packed (``._pyro_dims``) with the symbols Pyro's traces assign.
 """
 
+import dataclasses
 import math
 from types import SimpleNamespace
 from typing import Dict, List, NamedTuple, Optional, Union
@@ -325,18 +326,56 @@ def compute_log_factors(
             max_factor_elements,
             densities,
         ):
-            factors.append(LogFactor(name, tensor))
+            factors.append(LogFactor(name, _keep_scaled_unit_plates(tensor, site, model_trace)))
     for name in guide_only_sites(model_trace, guide_trace):
         site = guide_trace.nodes[name]
         extra_scale = scale_plan(model_trace).site_scale(name)
         for tensor in guide_site_log_factors(
             site, extra_scale, sources.get(name), detach_guide_proposals, densities
         ):
-            factors.append(LogFactor(name, tensor))
+            factors.append(LogFactor(name, _keep_scaled_unit_plates(tensor, site, guide_trace, model_trace)))
     joint = joint_samples_factor(model_trace)
     if joint is not None:
         factors.append(LogFactor("(joint samples)", joint))
     return factors
+
+
+def _keep_scaled_unit_plates(
+    term: Union[torch.Tensor, ChunkedFactor], site, trace: Trace, model_trace: Optional[Trace] = None
+) -> Union[torch.Tensor, ChunkedFactor]:
+    """
+    The packed ``term`` with a size-1 dim restored for each of the site's plates
+    that has one element and a scale other than 1 (a minibatch of one, the last
+    batch of a loader, ``poutine.scale`` in a plate of size 1). Packing drops
+    size-1 dims, but the plate's scale multiplies the log of the sum over the
+    particles inside it, so the contraction must still see where the plate is.
+    """
+    plate_scales = scale_plan(model_trace if model_trace is not None else trace).plate_scales
+    missing = []
+    for frame in site["cond_indep_stack"]:
+        if frame.vectorized and frame.size == 1:
+            symbol = trace.plate_to_symbol[frame.name]
+            if plate_scales.get(symbol, 1.0) != 1.0 and symbol not in _dims_of(term):
+                missing.append(symbol)
+    if not missing:
+        return term
+    if isinstance(term, ChunkedFactor):
+        compute = term.compute
+        return dataclasses.replace(
+            term, dims="".join(missing) + term.dims, compute=lambda a, b: _with_unit_dims(compute(a, b), missing)
+        )
+    return _with_unit_dims(term, missing)
+
+
+def _dims_of(term: Union[torch.Tensor, ChunkedFactor]) -> str:
+    return term.dims if isinstance(term, ChunkedFactor) else term._pyro_dims
+
+
+def _with_unit_dims(term: torch.Tensor, symbols: List[str]) -> torch.Tensor:
+    """A packed ``term`` with leading size-1 dims named ``symbols``."""
+    widened = term.reshape((1,) * len(symbols) + term.shape)
+    widened._pyro_dims = "".join(symbols) + term._pyro_dims
+    return widened
 
 
 class SiteDensities:
