@@ -362,7 +362,9 @@ def _keep_scaled_unit_plates(
     if isinstance(term, ChunkedFactor):
         compute = term.compute
         return dataclasses.replace(
-            term, dims="".join(missing) + term.dims, compute=lambda a, b: _with_unit_dims(compute(a, b), missing)
+            term,
+            dims="".join(missing) + term.dims,
+            compute=lambda a, b: _with_unit_dims(compute(a, b), missing),
         )
     return _with_unit_dims(term, missing)
 

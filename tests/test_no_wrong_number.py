@@ -66,9 +66,13 @@ def test_minibatch_of_one_keeps_its_scale_enumerated(index):
 @pytest.mark.parametrize("size", [1, 2])
 def test_scale_in_a_plate_of_one_value_and_gradient(size):
     pyro.clear_param_store()
-    expected_loss = TraceEnum_ELBO(max_plate_nesting=1).differentiable_loss(_scaled_in_plate, _delta_guide, size)
+    expected_loss = TraceEnum_ELBO(max_plate_nesting=1).differentiable_loss(
+        _scaled_in_plate, _delta_guide, size
+    )
     (expected_grad,) = torch.autograd.grad(expected_loss, [pyro.param("mu_loc").unconstrained()])
-    loss = TMC_ELBO(num_samples=4, max_plate_nesting=1).differentiable_loss(_scaled_in_plate, _delta_guide, size)
+    loss = TMC_ELBO(num_samples=4, max_plate_nesting=1).differentiable_loss(
+        _scaled_in_plate, _delta_guide, size
+    )
     (grad,) = torch.autograd.grad(loss, [pyro.param("mu_loc").unconstrained()])
     assert loss.item() == pytest.approx(expected_loss.item(), rel=1e-6)
     assert grad.item() == pytest.approx(expected_grad.item(), rel=1e-5)
