@@ -13,7 +13,7 @@ import pyro.distributions as dist
 from pyro import poutine
 from pyro.infer import Trace_ELBO, TraceEnum_ELBO
 
-from pyro_tmc import TMC_ELBO
+from pyro_tmc import TMC_ELBO, TMC_RWS
 
 DATA = torch.tensor([0.3, -1.2, 2.0, 0.7])
 
@@ -105,3 +105,48 @@ def test_minibatch_of_one_marginals_sum_to_one():
     marginals = elbo.compute_marginals(_sampled, _sampled_guide, torch.tensor([2]))
     total = marginals["z"].log_weights.exp().sum(-1)  # Empirical keeps the weights as given
     assert total.flatten().tolist() == pytest.approx([1.0] * total.numel(), abs=1e-6)
+
+
+# F2: the path-gradient estimators and TMC_RWS score the minibatch the particles were drawn for.
+
+SERIES = torch.arange(10.0)
+
+
+def _minibatch_model(seen):
+    shift = pyro.param("shift", torch.tensor(0.3))
+    with pyro.plate("N", 10, subsample_size=3) as index:
+        seen.append(("model", index.tolist()))
+        z = pyro.sample("z", dist.Normal(shift, 10.0))
+        pyro.sample("x", dist.Normal(z, 0.1), obs=SERIES[index])
+
+
+def _minibatch_guide(seen):
+    with pyro.plate("N", 10, subsample_size=3) as index:
+        seen.append(("guide", index.tolist()))
+        pyro.sample("z", dist.Normal(SERIES[index] + pyro.param("offset", torch.tensor(0.1)), 0.3))
+
+
+def _loss_and_model_gradient(elbo):
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    seen = []
+    loss = elbo.differentiable_loss(_minibatch_model, _minibatch_guide, seen)
+    (grad,) = torch.autograd.grad(loss, [pyro.param("shift").unconstrained()])
+    return loss.item(), grad.item(), seen
+
+
+@pytest.mark.parametrize(
+    "elbo",
+    [
+        TMC_ELBO(num_samples=4, max_plate_nesting=1, variance_reduction="stl"),
+        TMC_ELBO(num_samples=4, max_plate_nesting=1, variance_reduction="dregs"),
+        TMC_RWS(num_samples=4, max_plate_nesting=1),
+    ],
+    ids=["stl", "dregs", "rws"],
+)
+def test_path_gradients_keep_the_minibatch(elbo):
+    expected_loss, expected_grad, _ = _loss_and_model_gradient(TMC_ELBO(num_samples=4, max_plate_nesting=1))
+    loss, grad, seen = _loss_and_model_gradient(elbo)
+    assert len({tuple(index) for _, index in seen}) == 1, seen
+    assert loss == pytest.approx(expected_loss, rel=1e-6)
+    assert grad == pytest.approx(expected_grad, rel=1e-5)

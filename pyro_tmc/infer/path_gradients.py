@@ -52,6 +52,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from pyro.poutine import Trace
+from pyro.poutine.util import site_is_subsample
 
 from ..factors import is_point_mass_site
 
@@ -114,8 +115,14 @@ def with_leaf_values(
 
 
 def _is_delta_latent(site) -> bool:
-    """A Delta latent of the guide: its value is a function of other particles."""
-    return site["type"] == "sample" and not site["is_observed"] and is_point_mass_site(site)
+    """
+    A Delta latent of the guide: its value is a function of other particles. A
+    plate's subsample site has no particle dim either, but it is no latent: it
+    stays, so that the replay scores the minibatch the particles were drawn for.
+    """
+    if site["type"] != "sample" or site["is_observed"] or site_is_subsample(site):
+        return False
+    return is_point_mass_site(site)
 
 
 def marginal_sources(sites, particle_shape) -> Dict[str, torch.Tensor]:
