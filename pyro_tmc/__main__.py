@@ -1,7 +1,8 @@
 """
 Command line. ``python -m pyro_tmc`` runs a demo of a few seconds on the paper's toy model;
 ``python -m pyro_tmc {toy,chain,vae} [--quick] [--out DIR] [--overwrite] [--threads N]`` runs one
-of the paper's experiments and writes its tables, figures and ``run.json`` to ``--out``.
+of the paper's experiments and writes its tables, figures and ``run.json`` to ``--out``;
+``vae --resume`` continues a training run from its checkpoints.
 """
 
 import argparse
@@ -32,6 +33,7 @@ def _require_experiments_extra() -> None:
 _require_experiments_extra()
 
 from .experiments import chain, report, toy, vae  # noqa: E402
+from .experiments.checkpoint import CheckpointError  # noqa: E402
 
 EXPERIMENTS = {"toy": toy, "chain": chain, "vae": vae}
 HELP = {
@@ -44,6 +46,7 @@ EPILOG = (
     "Each experiment writes to results/<name>/ under the current directory unless --out says "
     "otherwise, and refuses a folder that holds a previous run unless --overwrite is given. "
     "--quick makes a smoke run of seconds: its numbers are not results. "
+    "vae saves a checkpoint every epoch, and vae --resume continues from it. "
     "Details: python -m pyro_tmc <command> --help."
 )
 
@@ -121,7 +124,8 @@ def main(argv: Optional[List[str]] = None) -> None:
             demo(args)
         else:
             EXPERIMENTS[args.command].run(args)
-    except (FileExistsError, FileNotFoundError) as error:  # a previous run's folder; no MNIST to be had
+    # A previous run's folder; no MNIST to be had; a checkpoint of another run.
+    except (FileExistsError, FileNotFoundError, CheckpointError) as error:
         parser.exit(2, f"python -m pyro_tmc {args.command}: error: {error}\n")
     finally:
         torch.set_num_threads(threads)

@@ -68,14 +68,16 @@ def prepare_output(args: argparse.Namespace, files: Sequence[str]) -> str:
     The output folder ``args.out``, created; checked before the run starts, so that no work is lost.
 
     :param files: the names of the files the run will write there (``run.json`` is added).
-    :raises FileExistsError: when the folder holds a previous run's files and ``args.overwrite`` is not set.
+    :raises FileExistsError: when the folder holds a previous run's files and neither ``args.overwrite``
+        nor ``args.resume`` (continue that run) is set.
     """
     out = args.out
     found = [name for name in list(files) + [RUN_INFO] if os.path.exists(os.path.join(out, name))]
-    if found and not getattr(args, "overwrite", False):
+    if found and not (getattr(args, "overwrite", False) or getattr(args, "resume", False)):
+        resume = ", --resume to continue it," if hasattr(args, "resume") else ""
         raise FileExistsError(
-            f"{out} already holds a previous run ({', '.join(found)}): pass --overwrite to replace it, "
-            f"or --out to write elsewhere."
+            f"{out} already holds a previous run ({', '.join(found)}): pass --overwrite to replace it"
+            f"{resume} or --out to write elsewhere."
         )
     return output_dir(out)
 

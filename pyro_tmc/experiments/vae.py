@@ -21,6 +21,7 @@ own K particles; the non-factorised guides are drawn with ``proposal="mixture"``
 
 import argparse
 import dataclasses
+import os
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -38,12 +39,14 @@ from pyro.optim import Adam
 from .. import IWAE_ELBO, TMC_ELBO
 from ..datasets import load_dataset
 from . import plots, report
+from .checkpoint import Checkpoint, CheckpointError
 
 LAYERS = (4, 8, 16, 32, 64)  # stochastic units, top to bottom
 RECOGNITION_WIDTHS = {"small": (128, 64, 32, 16, 8), "large": (512, 256, 128, 64, 32)}
 RECOGNITIONS = ("factorised", "small", "large")
 OBJECTIVES = ("iwae", "tmc")
 VARIANCE_REDUCTIONS = (None, "stl", "dregs")
+CHECKPOINTS = "checkpoints"  # the folder, under --out, of each configuration's training checkpoint
 
 
 def _linear(n_in: int, n_out: int) -> nn.Module:
@@ -174,6 +177,7 @@ class TrainedVAE:
     steps: int
     final_loss: float  # minus the training bound per data point, mean of the last epoch
     first_step_seconds: float = float("nan")  # the warm-up step, excluded from seconds_per_epoch
+    loss_history: List[List[float]] = dataclasses.field(default_factory=list)  # per epoch, per step
 
 
 def binarise(images: torch.Tensor) -> torch.Tensor:
@@ -181,7 +185,36 @@ def binarise(images: torch.Tensor) -> torch.Tensor:
     return torch.bernoulli(images)
 
 
-def train(config: TrainConfig, images: torch.Tensor, progress: bool = True) -> TrainedVAE:
+def training_checkpoint(
+    path: str, config: TrainConfig, images: torch.Tensor, optim, generative: nn.Module, recognition: nn.Module
+) -> Checkpoint:
+    """The checkpoint of one configuration's training: every setting but the number of epochs must match."""
+    settings = {key: value for key, value in dataclasses.asdict(config).items() if key != "epochs"}
+    settings["images"] = tuple(images.shape)
+    modules = {"generative": generative, "recognition": recognition}
+    return Checkpoint(path, optim, modules, hyper_parameters=settings)
+
+
+def _resume(checkpoint: Checkpoint, epochs: int) -> Dict:
+    """The saved progress (restored into the param store, optimiser and generators), or {} for none."""
+    if not checkpoint.exists():
+        return {}
+    saved = checkpoint.load()
+    if saved["epoch"] > epochs:
+        raise CheckpointError(
+            f"The checkpoint {checkpoint.path} has {saved['epoch']} epochs, more than the {epochs} asked "
+            "for: resume with --epochs at least that, or start afresh (--overwrite, or another --out)."
+        )
+    return saved
+
+
+def train(
+    config: TrainConfig,
+    images: torch.Tensor,
+    progress: bool = True,
+    checkpoint_path: Optional[str] = None,
+    resume: bool = False,
+) -> TrainedVAE:
     """
     Train one configuration with Adam (PyTorch defaults) on minibatches of ``images``.
     This is the unit of work of the grid; a multi-process launcher would call it
@@ -189,8 +222,13 @@ def train(config: TrainConfig, images: torch.Tensor, progress: bool = True) -> T
 
     :param TrainConfig config: model, guide and loss construction, and training length.
     :param torch.Tensor images: grey levels in [0, 1), shape ``(n, data_dim)``.
+    :param str checkpoint_path: where to save the training state at the end of each epoch
+        (:class:`~pyro_tmc.experiments.checkpoint.Checkpoint`); None saves nothing.
+    :param bool resume: continue from the checkpoint at ``checkpoint_path`` when there is one
+        (a resumed run equals an uninterrupted one: same minibatches, draws, parameters and losses).
     :raises NotImplementedError: when the loss does not support the guide (TMC DReGs
         with a non-factorised recognition model), at the first step.
+    :raises CheckpointError: when resuming a checkpoint of other settings, or of more epochs.
     """
     pyro.set_rng_seed(config.seed)
     pyro.clear_param_store()
@@ -198,17 +236,32 @@ def train(config: TrainConfig, images: torch.Tensor, progress: bool = True) -> T
     generative = Generative(images.shape[-1]).to(config.device)
     recognition = recognition_model(config.recognition, images.shape[-1]).to(config.device)
     elbo = make_elbo(config.objective, config.num_samples, config.variance_reduction)
-    svi = SVI(generative.model, recognition.guide, Adam({}), loss=elbo)
+    optim = Adam({})
+    svi = SVI(generative.model, recognition.guide, optim, loss=elbo)
+    checkpoint = None
+    if checkpoint_path is not None:
+        checkpoint = training_checkpoint(checkpoint_path, config, images, optim, generative, recognition)
+    saved = _resume(checkpoint, config.epochs) if checkpoint is not None and resume else {}
+    history: List[List[float]] = saved.get("loss_history", [])
+    step_seconds: List[float] = saved.get("step_seconds", [])
     steps_per_epoch = -(-len(images) // config.batch_size)
-    step_seconds, losses = [], []
-    bar = tqdm(total=config.epochs * steps_per_epoch, desc=_label(config), disable=not progress, leave=False)
-    for _ in range(config.epochs):
+    bar = tqdm(
+        total=config.epochs * steps_per_epoch,
+        initial=len(step_seconds),
+        desc=_label(config),
+        disable=not progress,
+        leave=False,
+    )
+    for epoch in range(len(history), config.epochs):
         losses = []
         for batch in torch.randperm(len(images), device=config.device).split(config.batch_size):
             start = time.perf_counter()
             losses.append(svi.step(binarise(images[batch])) / len(batch))  # .item() inside: synchronised
             step_seconds.append(time.perf_counter() - start)
             bar.update()
+        history.append(losses)
+        if checkpoint is not None:
+            checkpoint.save(epoch + 1, len(step_seconds), loss_history=history, step_seconds=step_seconds)
     bar.close()
     # The first step warms up (lazy setup, caches, the allocator): it is timed apart.
     timed = step_seconds[1:] or step_seconds
@@ -217,8 +270,9 @@ def train(config: TrainConfig, images: torch.Tensor, progress: bool = True) -> T
         recognition,
         steps_per_epoch * sum(timed) / len(timed),
         len(step_seconds),
-        sum(losses) / len(losses),
+        sum(history[-1]) / len(history[-1]),
         step_seconds[0],
+        history,
     )
 
 
@@ -244,12 +298,19 @@ def _label(config: TrainConfig) -> str:
     return f"{config.objective}/{config.variance_reduction or 'none'}/{config.recognition}"
 
 
+def checkpoint_name(config: TrainConfig) -> str:
+    """The file name of a configuration's checkpoint, e.g. ``tmc-none-factorised.ckpt``."""
+    return _label(config).replace("/", "-") + ".ckpt"
+
+
 def run_grid(
     configs: Sequence[TrainConfig],
     train_images: torch.Tensor,
     test_images: torch.Tensor,
     eval_samples: int,
     on_row: Optional[Callable[[List[Dict]], None]] = None,
+    checkpoint_dir: Optional[str] = None,
+    resume: bool = False,
 ) -> List[Dict]:
     """
     Train every configuration and evaluate it under both objectives; unsupported ones are rows
@@ -257,6 +318,10 @@ def run_grid(
 
     :param on_row: called with the rows so far after each configuration (e.g. to save them, so
         that a run stopped by a time limit keeps what it finished).
+    :param str checkpoint_dir: where each configuration saves its training state every epoch
+        (one file each, named by :func:`checkpoint_name`); None saves nothing.
+    :param bool resume: continue each configuration from its checkpoint. A finished one is not
+        trained again, only evaluated (with the same seeded draws, so the same numbers).
     """
     rows = []
     for config in tqdm(configs, desc="vae grid"):
@@ -268,7 +333,8 @@ def run_grid(
             "variance reduction": config.variance_reduction or "none",
         }
         try:
-            trained = train(config, train_images)
+            path = os.path.join(checkpoint_dir, checkpoint_name(config)) if checkpoint_dir else None
+            trained = train(config, train_images, checkpoint_path=path, resume=resume)
         except NotImplementedError as error:
             rows.append(dict(row, note=f"skipped: {error}", reason=f"{type(error).__name__}: {error}"))
             continue
@@ -379,6 +445,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--num-samples", type=int, default=20, help="K for training and evaluation (default: %(default)s)"
     )
     parser.add_argument("--epochs", type=int, default=1, help="training epochs (default: %(default)s)")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help=f"continue a run in --out from its checkpoints (<out>/{CHECKPOINTS}/, saved at the end of "
+        "every epoch: parameters, optimiser, random states); --epochs may be raised. The resumed run "
+        "gives what an uninterrupted one would. Configurations without a checkpoint start afresh",
+    )
     parser.add_argument("--batch-size", type=int, default=100, help="images per step (default: %(default)s)")
     parser.add_argument(
         "--train-size",
@@ -428,7 +501,15 @@ def _run_data_parallel(
 
 def run(args: argparse.Namespace) -> List[Dict]:
     """Paper Figs. 5 and 6: train the grid, evaluate each model under both bounds, tabulate and plot."""
-    files = ["vae_data_parallel.csv"] if args.devices else ["vae.csv", "vae_bounds.png", "vae_time.png"]
+    if args.devices and args.resume:
+        raise CheckpointError(
+            "--resume is not supported with --devices: the data-parallel fit saves no checkpoint."
+        )
+    files = (
+        ["vae_data_parallel.csv"]
+        if args.devices
+        else ["vae.csv", "vae_bounds.png", "vae_time.png", CHECKPOINTS]
+    )
     out = report.prepare_output(args, files)
     if args.quick:  # two steps per configuration; the large recognition model adds time, not coverage
         args.train_size, args.test_size = args.train_size or 32, args.test_size or 16
@@ -472,7 +553,13 @@ def run(args: argparse.Namespace) -> List[Dict]:
     def save(rows_so_far):
         report.write_csv(rows_so_far, f"{out}/vae.csv")
 
-    rows = run_grid(configs, train_images, test_images, args.num_samples, on_row=save)
+    checkpoints = os.path.join(out, CHECKPOINTS)
+    if args.resume:
+        found = sum(os.path.exists(os.path.join(checkpoints, checkpoint_name(c))) for c in configs)
+        print(f"resume: {found} of {len(configs)} configurations have a checkpoint in {checkpoints}")
+    rows = run_grid(
+        configs, train_images, test_images, args.num_samples, save, checkpoints, resume=args.resume
+    )
     save(rows)
     columns = [
         "recognition",
