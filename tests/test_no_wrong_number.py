@@ -150,3 +150,32 @@ def test_path_gradients_keep_the_minibatch(elbo):
     assert len({tuple(index) for _, index in seen}) == 1, seen
     assert loss == pytest.approx(expected_loss, rel=1e-6)
     assert grad == pytest.approx(expected_grad, rel=1e-5)
+
+
+# F7: an error about a value gets no broadcasting hint.
+
+
+def _invalid_scale_model():
+    g = pyro.sample("g", dist.Normal(0.0, 1.0))
+    pyro.sample("x", dist.Normal(g, torch.tensor(-1.0)), obs=torch.tensor(0.3))
+
+
+def _global_guide():
+    pyro.sample("g", dist.Normal(0.0, 1.0))
+
+
+def test_invalid_parameter_error_has_no_broadcasting_hint():
+    with pytest.raises(ValueError, match="constraint") as raised:
+        TMC_ELBO(num_samples=4, max_plate_nesting=0).loss(_invalid_scale_model, _global_guide)
+    assert "Vindex" not in str(raised.value) and "particle dim" not in str(raised.value)
+
+
+def _hand_broadcast_model():
+    g = pyro.sample("g", dist.Normal(0.0, 1.0))
+    with pyro.plate("data", 3):
+        pyro.sample("x", dist.Normal(g.reshape(-1)[:2], 1.0), obs=torch.zeros(3))
+
+
+def test_shape_error_keeps_its_hint():
+    with pytest.raises((ValueError, RuntimeError), match="Vindex"):
+        TMC_ELBO(num_samples=4, max_plate_nesting=1).loss(_hand_broadcast_model, _global_guide)

@@ -292,13 +292,40 @@ def run_with_shape_hint(messenger: TMCMessenger, role: str, run, args, kwargs) -
     try:
         return run(*args, **kwargs)
     except (RuntimeError, IndexError, ValueError) as error:
-        if isinstance(error, ValueError) and "shape" not in str(error).lower():
+        if not is_shape_error(error):
             raise  # our own errors, and the user's that have nothing to do with shapes
         try:
             hinted = type(error)(str(error) + messenger.shape_error_hint(role))
         except Exception:  # an exception type that takes other arguments
             raise error
         raise hinted from error
+
+
+#: Phrases of torch's and Pyro's broadcasting errors (a ValueError is a shape error only with one).
+_SHAPE_PHRASES = (
+    "broadcast",
+    "shape mismatch",
+    "must match",
+    "size of tensor",
+    "shapes cannot",
+    "invalid for input of size",
+    "event_shape",
+)
+#: Phrases of a value's or a parameter's complaint: wrong values, not wrong shapes.
+_VALUE_PHRASES = ("to satisfy the constraint", "within the support")
+
+
+def is_shape_error(error: Exception) -> bool:
+    """
+    Whether user code failed on the shape of a value (where the particle dims
+    TMC adds are the likely cause), not on the value itself. Pyro appends a dump
+    of the trace's shapes to errors raised inside a trace, and torch names a
+    parameter's shape in its constraint message, so the word "shape" alone says nothing.
+    """
+    message = str(error).split("Trace Shapes:")[0].lower()
+    if any(phrase in message for phrase in _VALUE_PHRASES):
+        return False
+    return not isinstance(error, ValueError) or any(phrase in message for phrase in _SHAPE_PHRASES)
 
 
 def check_model_guide_shapes_match(model_trace: Trace, guide_trace: Trace, max_plate_nesting) -> None:
