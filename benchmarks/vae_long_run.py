@@ -13,6 +13,12 @@ MNIST comes from ``--mnist`` or ``$PYRO_TMC_MNIST`` (else torchvision). Writes
 ``<out>/vae_long_<objective>.csv`` after every epoch (so a cut-short run keeps its epochs),
 ``<out>/vae_long_<objective>.png`` and, with ``--plot-only``, ``<out>/vae_long.png`` and
 ``<out>/vae_long.md``.
+
+After every epoch it also saves ``<out>/vae_long_<objective>.ckpt`` (parameters, Adam's state, the
+random states, the rows so far); ``--resume`` continues a run that was stopped, and gives what an
+uninterrupted run would (timings aside)::
+
+    python benchmarks/vae_long_run.py --mnist PATH --objective tmc --epochs 20 --out results/vae_long --resume
 """
 
 import argparse
@@ -29,6 +35,7 @@ from pyro.infer import SVI
 from pyro.optim import Adam
 
 from pyro_tmc.datasets import load_dataset
+from pyro_tmc.experiments.checkpoint import Checkpoint
 from pyro_tmc.experiments.vae import Generative, binarise, make_elbo, recognition_model
 
 FIELDS = [
@@ -137,7 +144,7 @@ def combine(out):
     print(f"wrote {out}/vae_long.png and {out}/vae_long.md")
 
 
-def main():
+def parse_arguments(argv=None):
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -155,9 +162,32 @@ def main():
     parser.add_argument("--max-steps", type=int, default=None, help="stop after n steps (timing)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from <out>/vae_long_<objective>.ckpt (saved after every epoch: parameters, "
+        "optimiser, random states, the rows written); --epochs may be raised. The resumed run writes "
+        "what an uninterrupted one would (timings aside). Without a checkpoint, start afresh",
+    )
+    parser.add_argument(
         "--plot-only", action="store_true", help="combine the CSVs in --out into a figure and table"
     )
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def resume(checkpoint, epochs):
+    """What ``checkpoint`` saved (its state restored): rows, loss history, step count; {} without one."""
+    if not checkpoint.exists():
+        print(f"resume: no checkpoint at {checkpoint.path}; starting afresh", flush=True)
+        return {}
+    saved = checkpoint.load()
+    if saved["epoch"] > epochs:
+        raise SystemExit(f"{checkpoint.path} holds {saved['epoch']} epochs, more than --epochs {epochs}")
+    print(f"resume: {checkpoint.path}, after epoch {saved['epoch']}", flush=True)
+    return saved
+
+
+def main(argv=None):
+    args = parse_arguments(argv)
     if args.plot_only:
         combine(args.out)
         return
@@ -173,11 +203,27 @@ def main():
     pyro.clear_param_store()
     generative = Generative(train_images.shape[-1])
     recognition = recognition_model("factorised", train_images.shape[-1])
-    svi = SVI(generative.model, recognition.guide, Adam({}), loss=make_elbo(args.objective, args.num_samples))
+    optim = Adam({})
+    svi = SVI(generative.model, recognition.guide, optim, loss=make_elbo(args.objective, args.num_samples))
+    settings = {key: getattr(args, key) for key in ("objective", "num_samples", "batch_size", "seed")}
+    settings.update(train=tuple(train_images.shape), test=tuple(test_images.shape))
+    checkpoint = Checkpoint(
+        os.path.join(args.out, f"vae_long_{args.objective}.ckpt"),
+        optim,
+        {"generative": generative, "recognition": recognition},
+        hyper_parameters=settings,
+    )
+    saved = resume(checkpoint, args.epochs) if args.resume else {}
+    rows, loss_history, steps = (
+        saved.get("rows", []),
+        saved.get("loss_history", []),
+        saved.get("global_step", 0),
+    )
     num_data = len(train_images)
-    rows, start, steps = [], time.perf_counter(), 0
+    # wall s counts on from the interrupted run's
+    start = time.perf_counter() - (rows[-1]["wall s"] if rows else 0.0)
     csv_path = os.path.join(args.out, f"vae_long_{args.objective}.csv")
-    for epoch in range(1, args.epochs + 1):
+    for epoch in range(len(rows) + 1, args.epochs + 1):
         t0, losses = time.perf_counter(), []
         batches = torch.randperm(num_data).split(args.batch_size)
         for batch in tqdm(batches, desc=f"{args.objective} epoch {epoch}", mininterval=10):
@@ -188,6 +234,7 @@ def main():
                 print(f"{steps} steps in {elapsed:.1f} s: {elapsed / steps:.3f} s/step", flush=True)
                 return
         train_s = time.perf_counter() - t0
+        loss_history.append(losses)
         t0 = time.perf_counter()
         row = {
             "objective": args.objective,
@@ -211,6 +258,8 @@ def main():
         )
         rows.append(row)
         write_csv(rows, csv_path)
+        # After the evaluation, whose reseeding the random states saved here include.
+        checkpoint.save(epoch, steps, rows=rows, loss_history=loss_history)
         print(
             f"epoch {epoch}: train {row['train bound']:.2f}, test IWAE {row['test IWAE']:.2f} ± "
             f"{row['test IWAE se']:.2f}, TMC {row['test TMC']:.2f} ± {row['test TMC se']:.2f} "
