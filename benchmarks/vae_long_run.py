@@ -35,7 +35,7 @@ from pyro.infer import SVI
 from pyro.optim import Adam
 
 from pyro_tmc.datasets import load_dataset
-from pyro_tmc.experiments.checkpoint import Checkpoint
+from pyro_tmc.experiments.checkpoint import Checkpoint, CheckpointError
 from pyro_tmc.experiments.vae import Generative, binarise, make_elbo, recognition_model
 
 FIELDS = [
@@ -176,13 +176,12 @@ def parse_arguments(argv=None):
 
 def resume(checkpoint, epochs):
     """What ``checkpoint`` saved (its state restored): rows, loss history, step count; {} without one."""
-    if not checkpoint.exists():
-        print(f"resume: no checkpoint at {checkpoint.path}; starting afresh", flush=True)
-        return {}
-    saved = checkpoint.load()
-    if saved["epoch"] > epochs:
-        raise SystemExit(f"{checkpoint.path} holds {saved['epoch']} epochs, more than --epochs {epochs}")
-    print(f"resume: {checkpoint.path}, after epoch {saved['epoch']}", flush=True)
+    try:
+        saved = checkpoint.resume(epochs)
+    except CheckpointError as error:
+        raise SystemExit(f"vae_long_run.py: error: {error}") from None
+    where = f"after epoch {saved['epoch']}" if saved else "none there, starting afresh"
+    print(f"resume: {checkpoint.path}: {where}", flush=True)
     return saved
 
 

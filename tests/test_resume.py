@@ -178,6 +178,8 @@ def test_long_run_resumed_equals_uninterrupted(tmp_path):
     for part in ("generative", "recognition"):
         for name, value in expected[part].items():
             assert torch.equal(weights[part][name], value), (part, name)
+    with pytest.raises(SystemExit, match="2 epochs, more than the 1 asked for"):
+        long_run.main(common + ["--epochs", "1", "--resume", "--out", str(tmp_path / "resumed")])
 
 
 def test_checkpoint_restores_every_generator(tmp_path):

@@ -148,3 +148,20 @@ class Checkpoint:
         self.optim.set_state(state["optimizer"])
         set_rng_states(state["rng_states"], self.generators)
         return state
+
+    def resume(self, epochs: int, map_location=None) -> Dict[str, Any]:
+        """
+        :meth:`load` the checkpoint if there is one, for a run of ``epochs`` epochs in all.
+
+        :returns: the saved dict, or ``{}`` when there is no checkpoint (the run starts afresh).
+        :raises CheckpointError: when the checkpoint is of other settings, or already past ``epochs``.
+        """
+        if not self.exists():
+            return {}
+        saved = self.load(map_location)
+        if saved["epoch"] > epochs:
+            raise CheckpointError(
+                f"The checkpoint {self.path} has {saved['epoch']} epochs, more than the {epochs} asked "
+                "for: resume with --epochs at least that, or start afresh (--overwrite, or another --out)."
+            )
+        return saved

@@ -195,19 +195,6 @@ def training_checkpoint(
     return Checkpoint(path, optim, modules, hyper_parameters=settings)
 
 
-def _resume(checkpoint: Checkpoint, epochs: int) -> Dict:
-    """The saved progress (restored into the param store, optimiser and generators), or {} for none."""
-    if not checkpoint.exists():
-        return {}
-    saved = checkpoint.load()
-    if saved["epoch"] > epochs:
-        raise CheckpointError(
-            f"The checkpoint {checkpoint.path} has {saved['epoch']} epochs, more than the {epochs} asked "
-            "for: resume with --epochs at least that, or start afresh (--overwrite, or another --out)."
-        )
-    return saved
-
-
 def train(
     config: TrainConfig,
     images: torch.Tensor,
@@ -241,7 +228,7 @@ def train(
     checkpoint = None
     if checkpoint_path is not None:
         checkpoint = training_checkpoint(checkpoint_path, config, images, optim, generative, recognition)
-    saved = _resume(checkpoint, config.epochs) if checkpoint is not None and resume else {}
+    saved = checkpoint.resume(config.epochs) if checkpoint is not None and resume else {}
     history: List[List[float]] = saved.get("loss_history", [])
     step_seconds: List[float] = saved.get("step_seconds", [])
     steps_per_epoch = -(-len(images) // config.batch_size)
