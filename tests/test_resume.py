@@ -37,7 +37,7 @@ class Killed(Exception):
 
 
 @pytest.fixture(autouse=True)
-def one_thread(monkeypatch):
+def one_thread_no_mnist(monkeypatch):
     monkeypatch.delenv(datasets.MNIST_ENV, raising=False)  # the embedded digits
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -49,13 +49,14 @@ def one_thread(monkeypatch):
 def uninterrupted(tmp_path_factory):
     """The VAE grid trained for two epochs in one go: the reference."""
     out = tmp_path_factory.mktemp("uninterrupted")
-    os.environ.pop(datasets.MNIST_ENV, None)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    try:
-        main(GRID + ["--epochs", "2", "--out", str(out)])
-    finally:
-        torch.set_num_threads(threads)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.delenv(datasets.MNIST_ENV, raising=False)  # the embedded digits
+        try:
+            main(GRID + ["--epochs", "2", "--out", str(out)])
+        finally:
+            torch.set_num_threads(threads)
     return out
 
 
