@@ -21,7 +21,9 @@ A draw the tracer cannot handle (a branch on tensor values, a tensor that is not
 among the inputs, a custom ``autograd.Function``, a memory budget) falls back to
 the eager path, with one warning per plan. A shape change is a new key, hence a
 new graph: the graph is traced again only when the plan changes, and at most
-:data:`MAX_PLANS` times per loss.
+:data:`MAX_PLANS` times per loss. A draw in which a log-space product underflowed
+(the graph flags it: :func:`pyro_tmc.log_einsum.deferred_underflow_checks`) is
+computed again eagerly, where the product is repaired.
 
 What the key must hold, because the graph bakes it in: every Python value the
 factor code reads (distribution fields, transforms' fields, ``infer`` entries,
@@ -40,6 +42,7 @@ from torch.distributions import Distribution
 from torch.distributions.transforms import Transform
 
 from .factors import compute_log_factors, contract_estimate, log_prob_error
+from .log_einsum import any_flag, deferred_underflow_checks
 from .proposals import ProposalStrategy
 
 MODES = (None, "graph", "inductor")
@@ -255,10 +258,13 @@ def _estimate_function(flat: FlatDraw, settings, detach_guide_proposals: bool) -
                 setattr(tensor, name, value)
         model_trace, guide_trace = flat.traces(inputs)
         sources = _fill(flat.source_template, inputs)
-        factors = compute_log_factors(
-            model_trace, guide_trace, sources, detach_guide_proposals, max_factor_elements
-        )
-        return contract_estimate(factors, model_trace)
+        # no branch on values while tracing: each log-space product flags its underflow instead
+        with deferred_underflow_checks() as flags:
+            factors = compute_log_factors(
+                model_trace, guide_trace, sources, detach_guide_proposals, max_factor_elements
+            )
+            log_estimate = contract_estimate(factors, model_trace)
+        return log_estimate, any_flag(flags, log_estimate)
 
     return estimate
 
@@ -266,6 +272,10 @@ def _estimate_function(flat: FlatDraw, settings, detach_guide_proposals: bool) -
 def trace_graph(flat: FlatDraw, settings, detach_guide_proposals: bool) -> torch.fx.GraphModule:
     """
     The eager estimate traced into a graph of tensor operations, with fake tensors.
+    The graph returns ``(estimate, underflow)``: ``underflow`` (a boolean scalar)
+    is set where a log-space product lost precision
+    (:func:`pyro_tmc.log_einsum.deferred_underflow_checks`), and the estimate must
+    then be computed eagerly.
 
     :raises GraphFallback: where tracing fails, or the graph holds a tensor that is
         not one of its inputs (it would be the first draw's forever).
@@ -298,7 +308,7 @@ def check_no_custom_backward(function: Callable, tensors: List[torch.Tensor]) ->
     """
     inputs = [t.detach().requires_grad_(t.is_floating_point() or t.is_complex()) for t in tensors]
     with torch.enable_grad():
-        output = function(*inputs)
+        output, _ = function(*inputs)
     seen, stack = set(), [output.grad_fn]
     while stack:
         node = stack.pop()
@@ -359,11 +369,13 @@ class EstimateProgram:
         if program is None:
             return None
         try:
-            return program(*flat.tensors)
+            estimate, underflow = program(*flat.tensors)
         except Exception as error:
             self._programs[flat.key] = None
             _warn_fallback(f"{type(error).__name__}: {error}")
             return None
+        # a product underflowed in this draw (a graph cannot repair it): the eager path does
+        return None if underflow else estimate
 
     def _warn_too_many_plans(self) -> None:
         if not self._warned_plans:

@@ -3,28 +3,134 @@
 ``log(einsum(exp(a), exp(b), ...))``: each operand is shifted by its (detached)
 maximum over the dims it sums out, exponentiated, contracted by
 :func:`torch.einsum`, and the log taken; the shifts are added back. This is
-Pyro's ``pyro.ops.einsum.torch_log`` computation, with one difference: the log
-of a sum that is zero (every term ``-inf``) is ``-inf`` with a zero gradient
-through :func:`safe_log`, built of ``torch.where``, where Pyro's uses a custom
-``autograd.Function``. A traced graph (:mod:`pyro_tmc.compiled`) keeps what
-plain tensor operations do, but drops a custom Function's backward: it would
-turn those zero gradients into NaN. The same holds for the log-depth product of
-a chain of log matrices (:func:`sequential_log_matmul_exp`), which Pyro's
-``pyro.distributions.hmm._sequential_logmatmulexp`` computes with that Function.
+Pyro's ``pyro.ops.einsum.torch_log`` computation, with two differences.
+
+First, the log of a sum that is zero (every term ``-inf``) is ``-inf`` with a
+zero gradient through :func:`safe_log`, built of ``torch.where``, where Pyro's
+uses a custom ``autograd.Function``. A traced graph (:mod:`pyro_tmc.compiled`)
+keeps what plain tensor operations do, but drops a custom Function's backward:
+it would turn those zero gradients into NaN. The same holds for the log-depth
+product of a chain of log matrices (:func:`sequential_log_matmul_exp`), which
+Pyro's ``pyro.distributions.hmm._sequential_logmatmulexp`` computes with that
+Function.
+
+Second, no entry underflows. Each operand's shift is its own maximum, so when
+the operands' maxima sit at different summed indices every shifted product can
+be far below 1: ``exp(-80)`` is already below float32's smallest normal number,
+and the entry comes out imprecise, or ``-inf``. An entry whose shifted sum is
+below :func:`underflow_floor` (``n * tiny / eps`` for ``n`` summed terms: there,
+the terms lost to underflow, at most ``tiny`` each, are below the dtype's
+precision) is computed again exactly, by max-plus (``m = max_j (a_j + b_j)``,
+then ``m + log sum_j exp(a_j + b_j - m)``), over only those entries, in chunks
+of bounded memory. Entries whose operands hold no finite maximum are ``-inf``
+and are left alone. While tracing a graph (:func:`deferred_underflow_checks`),
+where no branch on values can run, each product records a flag instead, and the
+caller recomputes eagerly when one is set.
+
+Reference: the max-plus (tropical) product as the exact shift, e.g. Rush,
+"Torch-Struct: Deep Structured Prediction Library", ACL 2020 (its log semiring).
 """
 
+import contextvars
+import functools
 import math
-from typing import List
+import operator
+from contextlib import contextmanager
+from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
 from pyro.ops.einsum.util import Tensordot
+
+#: the most elements an exact recomputation holds at once (terms of the entries of one chunk)
+EXACT_CHUNK_ELEMENTS = 2**22
+
+#: while a graph is traced: the list that collects each product's "underflow happened" flag
+_DEFERRED_FLAGS: contextvars.ContextVar[Optional[List[torch.Tensor]]] = contextvars.ContextVar(
+    "pyro_tmc_deferred_underflow_flags", default=None
+)
 
 
 def safe_log(x: torch.Tensor) -> torch.Tensor:
     """``log(x)`` for ``x >= 0``; where ``x == 0``, ``-inf`` with gradient 0 (not inf or NaN)."""
     positive = x > 0
     return torch.where(positive, torch.where(positive, x, torch.ones_like(x)).log(), -math.inf)
+
+
+def safe_logsumexp(x: torch.Tensor, dims: Sequence[int]) -> torch.Tensor:
+    """
+    ``logsumexp`` over ``dims``, exact (shifted by the max), whose gradient is 0,
+    not NaN, where a whole slice is ``-inf`` (:func:`torch.logsumexp` gives NaN there).
+    """
+    dims = list(dims)
+    shift = x.detach().amax(dims, keepdim=True).clamp(min=torch.finfo(x.dtype).min)
+    return safe_log((x - shift).exp().sum(dims)) + shift.squeeze(dims)
+
+
+def underflow_floor(dtype: torch.dtype, num_terms: int) -> float:
+    """
+    The smallest sum of ``num_terms`` shifted exponentials (each at most 1) that is
+    exact to ``dtype``'s precision: each term lost to underflow (or flushed to
+    zero) is below ``tiny``, so ``num_terms * tiny`` lost is within ``eps`` of a
+    sum of at least ``num_terms * tiny / eps``.
+    """
+    info = torch.finfo(dtype)
+    return num_terms * info.tiny / info.eps
+
+
+@contextmanager
+def deferred_underflow_checks() -> Iterator[List[torch.Tensor]]:
+    """
+    Within this context (a graph being traced, where no branch on tensor values
+    can run) no product is repaired: each appends a boolean scalar tensor, set
+    where one of its entries underflowed, to the list yielded, and returns its
+    fast value. The caller must recompute outside the context where any flag is
+    set (:func:`any_flag`).
+    """
+    flags: List[torch.Tensor] = []
+    token = _DEFERRED_FLAGS.set(flags)
+    try:
+        yield flags
+    finally:
+        _DEFERRED_FLAGS.reset(token)
+
+
+def any_flag(flags: List[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """A boolean scalar: whether any of the flags collected by :func:`deferred_underflow_checks` is set."""
+    if not flags:
+        return torch.zeros((), dtype=torch.bool, device=like.device)
+    return torch.stack(flags).any()
+
+
+def _repaired(
+    result: torch.Tensor,
+    suspect: torch.Tensor,
+    exact_at: Callable[[torch.Tensor], torch.Tensor],
+    terms_per_entry: int,
+) -> torch.Tensor:
+    """
+    ``result`` with the entries where ``suspect`` is set replaced by
+    ``exact_at(index)`` (``index``: their multi-indices, one row per entry), in
+    chunks of at most :data:`EXACT_CHUNK_ELEMENTS` terms. Under
+    :func:`deferred_underflow_checks`, ``result`` unchanged and the flag recorded.
+    """
+    flags = _DEFERRED_FLAGS.get()
+    if flags is not None:
+        flags.append(suspect.any())
+        return result
+    flat = suspect.expand(result.shape).reshape(-1).nonzero().squeeze(-1)  # one sync, none if clean
+    if not flat.numel():
+        return result
+    chunk = max(1, EXACT_CHUNK_ELEMENTS // max(terms_per_entry, 1))
+    values = [exact_at(_unravel(part, result.shape)) for part in flat.split(chunk)]
+    return result.reshape(-1).index_put((flat,), torch.cat(values).to(result.dtype)).reshape(result.shape)
+
+
+def _unravel(flat: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Flat indices into ``shape`` as multi-indices, one row each (no columns for a scalar)."""
+    if not shape:
+        return flat.new_zeros((flat.numel(), 0))
+    return torch.stack(torch.unravel_index(flat, shape), -1)
 
 
 def transpose(a: torch.Tensor, axes) -> torch.Tensor:
@@ -40,14 +146,46 @@ def _shift_to_output(shift: torch.Tensor, dims: str, output: str) -> torch.Tenso
     return shift.reshape([shift.shape[order.index(d)] if d in order else 1 for d in output])
 
 
+def _exact_einsum_entries(
+    inputs: List[str],
+    output: str,
+    operands: Sequence[torch.Tensor],
+    sizes: Dict[str, int],
+    index: torch.Tensor,
+) -> torch.Tensor:
+    """
+    ``log sum_{summed dims} exp(sum of operands)`` at the output entries ``index``
+    (``(F, len(output))``), by max-plus: the terms of each entry are formed and
+    log-sum-exp'd, shifted by their own maximum.
+    """
+    summed = sorted(set("".join(inputs)) - set(output))
+    total = None
+    for dims, operand in zip(inputs, operands):
+        own_output = [d for d in output if d in dims]
+        order = own_output + [d for d in summed if d in dims]
+        arranged = operand.expand([sizes[d] for d in dims]).permute([dims.index(d) for d in order])
+        if own_output:
+            picked = arranged[tuple(index[:, output.index(d)] for d in own_output)]
+        else:  # the same terms for every entry
+            picked = arranged[None]
+        picked = picked.reshape([picked.shape[0]] + [sizes[d] if d in dims else 1 for d in summed])
+        total = picked if total is None else total + picked
+    total = total.expand([index.shape[0]] + list(total.shape[1:]))
+    return safe_logsumexp(total.reshape(index.shape[0], -1), [1])
+
+
 def einsum(equation: str, *operands: torch.Tensor) -> torch.Tensor:
-    """Log-sum-exp einsum: ``log(einsum(equation, *map(exp, operands)))``."""
+    """Log-sum-exp einsum: ``log(einsum(equation, *map(exp, operands)))``, accurate whatever the spread."""
     inputs, output = equation.split("->")
     inputs = inputs.split(",")
     if len(inputs) == 1 and inputs[0] == output:
         return operands[0].clone()  # a new tensor, as the other results are
     symbols = sorted(set(equation) - set(",->"))  # torch.einsum takes letters only
     rename = dict(zip(symbols, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"))
+    sizes: Dict[str, int] = {}
+    for dims, operand in zip(inputs, operands):
+        for d, size in zip(dims, operand.shape):
+            sizes[d] = max(sizes.get(d, 1), size)
     shifts: List[torch.Tensor] = []
     exps: List[torch.Tensor] = []
     for dims, operand in zip(inputs, operands):
@@ -60,21 +198,47 @@ def einsum(equation: str, *operands: torch.Tensor) -> torch.Tensor:
         exps.append((operand - shift).exp())
         shifts.append(_shift_to_output(shift, dims, output))
     renamed = "".join(rename.get(c, c) for c in equation)
-    result = safe_log(torch.einsum(renamed, *exps))
+    shifted_sum = torch.einsum(renamed, *exps)
+    result = safe_log(shifted_sum)
     for shift in shifts:
         result = result + shift
-    return result
+    num_terms = math.prod(sizes[d] for d in set("".join(inputs)) - set(output))
+    if len(inputs) == 1 or num_terms == 1:  # a sum holding its maximum, exp(0) = 1: never underflows
+        return result
+    floor = torch.finfo(result.dtype).min
+    finite_maxima = functools.reduce(operator.and_, [shift > floor for shift in shifts])  # not clamped
+    suspect = (shifted_sum < underflow_floor(result.dtype, num_terms)) & finite_maxima
+    exact_at = functools.partial(_exact_einsum_entries, inputs, output, operands, sizes)
+    return _repaired(result, suspect, exact_at, num_terms)
 
 
 tensordot = Tensordot(einsum)
 
 
+def _exact_matmul_entries(x: torch.Tensor, y: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``log sum_j exp(x[..., i, j] + y[..., j, k])`` at the entries ``index`` (rows ``(batch..., i, k)``)."""
+    batch = torch.broadcast_shapes(x.shape[:-2], y.shape[:-2])
+    x = x.expand(batch + x.shape[-2:])
+    y = y.expand(batch + y.shape[-2:]).transpose(-1, -2)
+    where = tuple(index[:, d] for d in range(len(batch)))
+    rows = x[where + (index[:, -2],)]
+    columns = y[where + (index[:, -1],)]
+    return safe_logsumexp(rows + columns, [-1])
+
+
 def log_matmul_exp(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``log(exp(x) @ exp(y))`` for matrix batches; rows of x, columns of y shifted by their maxima."""
+    """
+    ``log(exp(x) @ exp(y))`` for matrix batches: rows of x, columns of y shifted
+    by their maxima, and the entries that underflow computed again exactly.
+    """
     floor = torch.finfo(x.dtype).min  # an all -inf row or column: shift 0, not -inf
     x_shift = x.detach().amax(-1, keepdim=True).clamp(min=floor)
     y_shift = y.detach().amax(-2, keepdim=True).clamp(min=floor)
-    return safe_log(torch.matmul((x - x_shift).exp(), (y - y_shift).exp())) + x_shift + y_shift
+    shifted_sum = torch.matmul((x - x_shift).exp(), (y - y_shift).exp())
+    result = safe_log(shifted_sum) + x_shift + y_shift
+    finite_maxima = (x_shift > floor) & (y_shift > floor)
+    suspect = (shifted_sum < underflow_floor(x.dtype, x.size(-1))) & finite_maxima
+    return _repaired(result, suspect, functools.partial(_exact_matmul_entries, x, y), x.size(-1))
 
 
 def sequential_log_matmul_exp(logits: torch.Tensor) -> torch.Tensor:
@@ -91,4 +255,15 @@ def sequential_log_matmul_exp(logits: torch.Tensor) -> torch.Tensor:
     return logits.squeeze(-3)
 
 
-__all__ = ["einsum", "log_matmul_exp", "safe_log", "sequential_log_matmul_exp", "tensordot", "transpose"]
+__all__ = [
+    "any_flag",
+    "deferred_underflow_checks",
+    "einsum",
+    "log_matmul_exp",
+    "safe_log",
+    "safe_logsumexp",
+    "sequential_log_matmul_exp",
+    "tensordot",
+    "transpose",
+    "underflow_floor",
+]
