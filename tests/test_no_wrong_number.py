@@ -179,3 +179,75 @@ def _hand_broadcast_model():
 def test_shape_error_keeps_its_hint():
     with pytest.raises((ValueError, RuntimeError), match="Vindex"):
         TMC_ELBO(num_samples=4, max_plate_nesting=1).loss(_hand_broadcast_model, _global_guide)
+
+
+# F3: the model keeps the particle dims of replayed guide latents apart from its own.
+
+OBSERVED = torch.tensor([0.5, -0.3, 1.2, 0.4, 0.9])
+
+
+def _chain_model(extra, steps=3, markov=True):
+    if extra == "prior":
+        pyro.sample("m", dist.Normal(0.0, 1.0))
+    elif extra.startswith("enum"):
+        size = int(extra[-1])
+        pyro.sample("m", dist.Categorical(torch.ones(size) / size), infer={"enumerate": "parallel"})
+    elif extra == "plate":
+        with pyro.plate("A", 2):
+            pyro.sample("z", dist.Normal(0.0, 1.0))
+    h = 0.0
+    for t in pyro.markov(range(steps)) if markov else range(steps):
+        h = pyro.sample(f"h_{t}", dist.Normal(h, 1.0))
+        pyro.sample(f"o_{t}", dist.Normal(h, 1.0), obs=OBSERVED[t])
+
+
+def _chain_guide(extra, steps=3, markov=True):
+    h = None
+    for t in pyro.markov(range(steps)) if markov else range(steps):
+        loc = OBSERVED[t] * 0.5 + (0.3 * h if h is not None else 0.0)
+        h = pyro.sample(f"h_{t}", dist.Normal(loc, 1.0))
+
+
+def _seeded_loss(model, guide, *args, **kwargs):
+    pyro.set_rng_seed(0)  # the guide runs first: the same particles in every case
+    return TMC_ELBO(num_samples=4, max_plate_nesting=1).loss(model, guide, *args, **kwargs)
+
+
+@pytest.mark.parametrize("extra", ["prior", "enum4", "enum3", "plate"])
+def test_irrelevant_model_latent_before_a_guide_chain(extra):
+    expected = _seeded_loss(_chain_model, _chain_guide, "none")
+    assert _seeded_loss(_chain_model, _chain_guide, extra) == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.parametrize("model_markov,guide_markov", [(True, False), (False, True), (False, False)])
+def test_markov_on_one_side_only(model_markov, guide_markov):
+    expected = _seeded_loss(_chain_model, _chain_guide, "none", steps=5)
+
+    def model():
+        _chain_model("none", steps=5, markov=model_markov)
+
+    def guide():
+        _chain_guide("none", steps=5, markov=guide_markov)
+
+    assert _seeded_loss(model, guide) == pytest.approx(expected, rel=1e-6)
+
+
+def _chain_with_global(first):
+    """A model-only global m, drawn before or after the guide's chain, observed with its last step."""
+    m = pyro.sample("m", dist.Normal(0.0, 1.0)) if first else None
+    h = 0.0
+    for t in pyro.markov(range(4)):
+        h = pyro.sample(f"h_{t}", dist.Normal(h, 1.0))
+        pyro.sample(f"o_{t}", dist.Normal(h, 1.0), obs=OBSERVED[t])
+    if not first:
+        m = pyro.sample("m", dist.Normal(0.0, 1.0))
+    pyro.sample("end", dist.Normal(m + h, 1.0), obs=torch.tensor(1.5))
+
+
+def test_model_global_before_a_guide_chain_equals_after():
+    def guide(first):
+        _chain_guide("none", steps=4)
+
+    before = _seeded_loss(_chain_with_global, guide, True)
+    after = _seeded_loss(_chain_with_global, guide, False)
+    assert before == pytest.approx(after, rel=1e-6)

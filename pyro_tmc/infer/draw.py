@@ -20,7 +20,7 @@ posterior marginal).
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Set
 
 import torch
 
@@ -256,9 +256,20 @@ def continuing_messenger(replayed: Trace, settings: DrawSettings) -> TMCMessenge
         settings.num_samples,
         settings.proposal,
         replayed_sites=latent_site_names(replayed),
+        reserved_dims=particle_dims_of(replayed),
         continue_allocation=True,
         joint_dim=joint_dim(replayed) if settings.joint else None,
     )
+
+
+def particle_dims_of(trace: Trace) -> Set[int]:
+    """Every dim that a latent value of the trace varies along by its particles."""
+    return {
+        dim
+        for site in trace.nodes.values()
+        if site["type"] == "sample" and not site["is_observed"]
+        for dim in site["infer"].get("_dim_to_id", {})
+    }
 
 
 def joint_dim(trace: Trace):

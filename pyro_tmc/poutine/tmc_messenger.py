@@ -117,6 +117,9 @@ class TMCMessenger(EnumMessenger):
         get no particles of their own.
     :param bool continue_allocation: continue the allocator's state (used for
         the model after the guide has been run).
+    :param reserved_dims: dims that the replayed values occupy (the guide's
+        particle dims); sites drawn here never take one, since the guide's
+        ``pyro.markov`` allocations are local and do not advance the allocator.
     :param joint_dim: ``"new"`` or a ``(dim, id)`` pair: every sampled latent
         shares one particle dim (IWAE's joint samples: K particle combinations,
         not K^n); ``"new"`` allocates it at the first sampled site.
@@ -133,6 +136,7 @@ class TMCMessenger(EnumMessenger):
         replayed_sites: Collection[str] = (),
         continue_allocation: bool = False,
         joint_dim: Optional[tuple] = None,
+        reserved_dims: Collection[int] = (),
     ) -> None:
         self.num_samples = check_num_samples(num_samples, "tmc(num_samples)")
         self.proposal = get_proposal(proposal)
@@ -144,6 +148,7 @@ class TMCMessenger(EnumMessenger):
             )
         super().__init__(first_available_dim)
         self.replayed_sites = frozenset(replayed_sites)
+        self.reserved_dims = frozenset(reserved_dims)
         self.joint_dim = joint_dim
 
     def __enter__(self):
@@ -220,9 +225,10 @@ class TMCMessenger(EnumMessenger):
         """
         scope = msg["infer"].get("_markov_scope")
         if scope is not None:
-            target_dim, id_ = _ENUM_ALLOCATOR.allocate(set(param_dims))
+            target_dim, id_ = _ENUM_ALLOCATOR.allocate(set(param_dims) | self.reserved_dims)
         else:
-            while _ENUM_ALLOCATOR.next_available_dim in param_dims:
+            taken = self.reserved_dims.union(param_dims)
+            while _ENUM_ALLOCATOR.next_available_dim in taken:
                 _ENUM_ALLOCATOR.next_available_dim -= 1
             target_dim, id_ = _ENUM_ALLOCATOR.allocate(None)
         if -target_dim > MAX_TENSOR_DIMS:
@@ -234,7 +240,15 @@ class TMCMessenger(EnumMessenger):
         return target_dim, id_
 
     def _pyro_post_sample(self, msg: Message) -> None:
+        # EnumMessenger labels every dim the site can see with the ids of this run's
+        # scope. A replayed value's own dims keep the ids its own run gave them: this
+        # run's scope may hold another latent on the same dim (a guide's pyro.markov
+        # recycles dims that a plain loop here does not), which would merge the two.
+        replayed_ids = self._replayed_value_ids(msg)
         super()._pyro_post_sample(msg)
+        if replayed_ids:
+            msg["infer"]["_dim_to_id"].update(replayed_ids)
+            self._value_dims[msg["name"]].update(replayed_ids)  # what downstream sites see
         if isinstance(msg["fn"], TorchDistributionMixin) and msg["value"] is not None:
             self._occupants.update(self._value_dims[msg["name"]])
             # Name each dim after the site that brought it (a Delta's value carries
@@ -244,6 +258,17 @@ class TMCMessenger(EnumMessenger):
             for dim in self._value_dims[msg["name"]]:
                 if dim == own_dim or dim not in self.particle_dims:
                     self.particle_dims[dim] = (msg["name"], batch_shape[dim])
+
+    def _replayed_value_ids(self, msg: Message) -> Dict[int, int]:
+        """``dim -> id`` of the dims a replayed site's value varies along, as its own run labelled them."""
+        if msg["name"] not in self.replayed_sites or not isinstance(msg["fn"], TorchDistributionMixin):
+            return {}
+        value = msg["value"]
+        if not isinstance(value, torch.Tensor):
+            return {}
+        shape = value.shape[: value.dim() - msg["fn"].event_dim]
+        dim_to_id = msg["infer"].get("_dim_to_id", {})
+        return {dim: id_ for dim, id_ in dim_to_id.items() if len(shape) >= -dim and shape[dim] > 1}
 
     def shape_error_hint(self, role: str) -> str:
         """
