@@ -46,6 +46,7 @@ class ChunkedFactor:
     :param int size: that dim's length.
     :param int chunk: the slice length.
     :param compute: ``(start, stop) -> packed tensor`` of the slice.
+    :param int numel: the whole factor's number of elements, if known (0).
     """
 
     site: str
@@ -54,10 +55,18 @@ class ChunkedFactor:
     size: int
     chunk: int
     compute: Callable[[int, int], torch.Tensor]
+    numel: int = 0
 
-    def ranges(self) -> List[Tuple[int, int]]:
-        """Slices covering the dim; none of length 1, which packing would squeeze away."""
-        bounds = [(a, min(a + self.chunk, self.size)) for a in range(0, self.size, self.chunk)]
+    def ranges(self, min_elements: int = 0) -> List[Tuple[int, int]]:
+        """
+        Slices covering the dim, of ``chunk`` particles or of at least ``min_elements``
+        elements where that is more; none of length 1, which packing would squeeze away.
+        """
+        chunk = self.chunk
+        if self.numel and min_elements:
+            per_particle = max(self.numel // self.size, 1)
+            chunk = max(chunk, -(-min_elements // per_particle))
+        bounds = [(a, min(a + chunk, self.size)) for a in range(0, self.size, chunk)]
         if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] == 1:
             bounds[-2:] = [(bounds[-2][0], bounds[-1][1])]
         return bounds
@@ -194,48 +203,161 @@ def _contract(factors, plate_scales, sum_dims, target_ordinal=frozenset(), targe
         )
 
 
+class EliminationGroup(NamedTuple):
+    """What eliminating one chunked factor's dim takes along (see :func:`elimination_group`)."""
+
+    members: List[int]  # indices of the other factors that join the chunked one
+    home: frozenset  # the plates of the eliminated dim: the message's plates
+    kept: frozenset  # particle dims the message keeps (held outside the group, or global to home)
+    summed: frozenset  # particle dims summed inside the message
+
+
+def _dims_of(term: Union[torch.Tensor, ChunkedFactor]) -> str:
+    return term.dims if isinstance(term, ChunkedFactor) else term._pyro_dims
+
+
+def elimination_group(
+    lazy: ChunkedFactor, others: Sequence[Union[torch.Tensor, ChunkedFactor]], plates: frozenset
+) -> EliminationGroup:
+    """
+    The factors that must join ``lazy`` in a message summing out ``lazy.symbol``,
+    and what that message keeps. A message may sum a dim only where no factor
+    outside it, chunked ones still pending included, holds that dim (summing it
+    there would leave those factors a dim already summed out). It lives in the
+    plates of ``lazy.symbol`` (``home``): a dim in any other plate (a latent in a
+    nested plate) cannot outlive the product over that plate, so it is summed
+    inside and every factor holding it joins; a dim in fewer plates than ``home``
+    (a global) is summed after the product over ``home``, so it is kept.
+
+    :param others: every other factor, tensors and pending chunked factors.
+    """
+    ordinal = _ordinals([_dims_of(t) for t in others] + [lazy.dims], plates)
+    home = ordinal[lazy.symbol]
+    members: List[int] = []
+    summed, frontier = {lazy.symbol}, {lazy.symbol}
+    group_dims = set(lazy.dims) - plates
+    while frontier:
+        joining = [i for i, t in enumerate(others) if i not in members and frontier.intersection(_dims_of(t))]
+        members += joining
+        group_dims.update(*(set(_dims_of(others[i])) - plates for i in joining))
+        frontier = {d for d in group_dims - summed if not ordinal[d] <= home}
+        summed |= frontier
+    outside = set().union(*(_dims_of(t) for i, t in enumerate(others) if i not in members))
+    kept = {d for d in group_dims - summed if d in outside or ordinal[d] < home}
+    return EliminationGroup(members, home, frozenset(kept), frozenset(group_dims - kept))
+
+
 def eliminate_in_chunks(
-    lazy: ChunkedFactor, factors: List[torch.Tensor], plate_scales: Dict[str, float]
-) -> List[torch.Tensor]:
+    lazy: ChunkedFactor,
+    factors: Sequence[Union[torch.Tensor, ChunkedFactor]],
+    plate_scales: Dict[str, float],
+) -> List[Union[torch.Tensor, ChunkedFactor]]:
     """
     Sum out ``lazy.symbol`` slice by slice: ``sum_k = sum_slices sum_{k in slice}``,
-    so each slice's partial contraction (a *message* over the dims the rest of the
-    factors share) is computed from that slice alone and the messages are
-    log-sum-exp'd. Factors over dims nested in deeper plates come along, so that
-    every message lives in the site's plates. Each slice is recomputed in the
-    backward pass (activation checkpointing), so memory stays within one slice.
+    so each slice's partial contraction (a *message* over the dims that factors
+    outside the group still hold: :func:`elimination_group`) is computed from that
+    slice alone, and the messages are log-sum-exp'd as they come
+    (:func:`_log_sum_over_slices`), so memory holds one slice and two messages. A
+    pending chunked factor that must join the group is materialised.
 
-    :returns: the factors with the eliminated ones replaced by the message.
+    :param factors: the other factors: tensors and pending chunked factors.
+    :returns: the factors with the group replaced by its message.
     """
     plates = frozenset(plate_scales)
-    ordinal = _ordinals([t._pyro_dims for t in factors] + [lazy.dims], plates)
-    home = ordinal[lazy.symbol]
-    group_dims = {lazy.symbol}
-    group = [t for t in factors if lazy.symbol in t._pyro_dims]
-    while True:  # take along factors over dims in deeper plates
-        dims = set("".join(t._pyro_dims for t in group)) - plates
-        deeper = {d for d in dims if ordinal[d] > home} - group_dims
-        if not deeper:
-            break
-        group_dims |= deeper
-        group += [t for t in factors if not any(t is g for g in group) and deeper & set(t._pyro_dims)]
-    rest = [t for t in factors if not any(t is g for g in group)]
-    all_dims = (set(lazy.dims) | set("".join(t._pyro_dims for t in group))) - plates
-    kept = all_dims & set("".join(t._pyro_dims for t in rest)) - {lazy.symbol}
+    members, home, kept, summed = elimination_group(lazy, factors, plates)
+    group = [_materialised(factors[i]) for i in members]
+    rest = [t for i, t in enumerate(factors) if i not in members]
     out_dims = "".join(sorted(kept | home))
+    # A kept dim held in the group only inside deeper plates (a global whose other factors are
+    # outside) looks plated to Pyro's contraction, which then refuses to keep it: a zero
+    # factor over it, in no plate, shows its true plates.
+    group_ordinal = _ordinals([lazy.dims] + [t._pyro_dims for t in group], plates)
+    unplated = "".join(sorted(d for d in kept if not group_ordinal[d] <= home))
 
     def message(start: int, stop: int, *inputs: torch.Tensor) -> torch.Tensor:
         terms = [lazy.compute(start, stop)]
         for term, tensor in zip(group, inputs):
             tensor._pyro_dims = term._pyro_dims
             terms.append(_narrow(tensor, lazy.symbol, start, stop))
-        msg = _contract(terms, plate_scales, all_dims, target_ordinal=home, target_dims=kept)
+        if unplated:
+            terms.append(_zero_factor(terms, unplated))
+        terms = fuse_factors(terms, plates)
+        msg = _contract(terms, plate_scales, summed | kept, target_ordinal=home, target_dims=kept)
         return msg.permute(tuple(msg._pyro_dims.index(d) for d in out_dims))
 
-    pieces = [checkpoint(message, start, stop, *group, use_reentrant=False) for start, stop in lazy.ranges()]
-    combined = torch.logsumexp(torch.stack(pieces), 0)
+    # Each slice makes a whole message: a slice smaller than its message would not lower the
+    # peak, only multiply the work (slices x message), so none is.
+    sizes = {d: n for t in group + rest if isinstance(t, torch.Tensor) for d, n in zip(t._pyro_dims, t.shape)}
+    message_elements = math.prod(sizes.get(d, 1) for d in out_dims)
+    combined = _log_sum_over_slices(message, lazy.ranges(message_elements), group)
     combined._pyro_dims = out_dims
     return rest + [combined]
+
+
+def _zero_factor(terms: List[torch.Tensor], dims: str) -> torch.Tensor:
+    """A log factor of zeros over ``dims`` (sizes read from ``terms``), expanded: no memory of its own."""
+    sizes = {d: n for t in terms for d, n in zip(t._pyro_dims, t.shape)}
+    zero = terms[0].new_zeros(()).expand(tuple(sizes[d] for d in dims))
+    zero._pyro_dims = dims
+    return zero
+
+
+def _materialised(term: Union[torch.Tensor, ChunkedFactor]) -> torch.Tensor:
+    return term.materialise() if isinstance(term, ChunkedFactor) else term
+
+
+def _log_sum_over_slices(
+    message: Callable[..., torch.Tensor], ranges: List[Tuple[int, int]], inputs: List[torch.Tensor]
+) -> torch.Tensor:
+    """
+    ``log sum_i exp(message(*ranges[i], *inputs))``, elementwise, holding one
+    slice's message at a time (stacking them all would hold every message at
+    once: more than the unchunked contraction, F5 of issue 17).
+
+    The value is a running log-sum-exp computed without autograd. Under autograd,
+    the gradient comes from a second pass: ``total + S - stop(S)`` with
+    ``S = sum_i exp(m_i - stop(total))``, whose value is ``total`` and whose
+    gradient with respect to ``m_i`` is ``exp(m_i - total)``, the gradient of the
+    log-sum-exp. Each ``exp(m_i - total)`` is checkpointed (recomputed in the
+    backward pass) and summed as it comes, and a sum keeps nothing for its
+    backward, so the backward too holds one slice.
+    """
+    if len(ranges) == 1:  # one slice: the plain contraction
+        return message(*ranges[0], *inputs)
+    with torch.no_grad():
+        total = None
+        for start, stop in ranges:
+            piece = message(start, stop, *inputs)
+            total = piece.contiguous() if total is None else torch.logaddexp(total, piece, out=total)
+    if not torch.is_grad_enabled():
+        return total
+    weights = None
+    for start, stop in ranges:
+        weight = checkpoint(_relative_weight, message, total, start, stop, *inputs, use_reentrant=False)
+        if not weight.requires_grad:
+            return total  # nothing upstream needs a gradient
+        weights = weight if weights is None else weights + weight
+    return total + (weights - weights.detach())
+
+
+def _relative_weight(message, total: torch.Tensor, start: int, stop: int, *inputs) -> torch.Tensor:
+    """
+    ``exp(message - total)`` of one slice: its share of the log-sum-exp ``total``
+    (0, with a zero gradient, where every slice is -inf).
+    """
+    return (message(start, stop, *inputs) - total.clamp(min=torch.finfo(total.dtype).min)).exp()
+
+
+def _next_to_eliminate(pending: List[ChunkedFactor]) -> int:
+    """
+    The index of the pending chunked factor to eliminate next: the last (children
+    come after their parents, and then meet only small messages) whose dim no
+    other pending factor holds, so that no other needs materialising.
+    """
+    for i in reversed(range(len(pending))):
+        if not any(j != i and pending[i].symbol in other.dims for j, other in enumerate(pending)):
+            return i
+    return len(pending) - 1
 
 
 def contract_log_factors(
@@ -254,13 +376,11 @@ def contract_log_factors(
     plates = frozenset(plate_scales)
     pending = [f for f in factors if isinstance(f, ChunkedFactor)]
     tensors = [f for f in factors if not isinstance(f, ChunkedFactor)]
-    # Children first: a chain's factors then meet only small messages, never another slice.
     while pending:
-        chunked = pending.pop()
-        for other in [f for f in pending if chunked.symbol in f.dims]:
-            pending.remove(other)
-            tensors.append(other.materialise())
-        tensors = eliminate_in_chunks(chunked, tensors, plate_scales)
+        chunked = pending.pop(_next_to_eliminate(pending))
+        remaining = eliminate_in_chunks(chunked, tensors + pending, plate_scales)
+        pending = [f for f in remaining if isinstance(f, ChunkedFactor)]
+        tensors = [f for f in remaining if not isinstance(f, ChunkedFactor)]
     if not tensors:  # no factors at all (an empty model and guide): log 1
         return torch.zeros(())
     sum_dims = set("".join(t._pyro_dims for t in tensors)) - plates

@@ -123,7 +123,7 @@ def _chunked_log_prob(site, extra_scale, max_factor_elements: int, mask) -> Chun
 
     batch = broadcast_shape(value.shape[:batch_ndim], fn.batch_shape)
     dims = "".join(dim_to_symbol[d - len(batch)] for d, size in enumerate(batch) if size > 1)
-    return ChunkedFactor(site["name"], dims, symbol, num_particles, chunk, compute)
+    return ChunkedFactor(site["name"], dims, symbol, num_particles, chunk, compute, math.prod(batch))
 
 
 def proposal_site(name: str, model_trace: Trace, guide_trace: Trace):
