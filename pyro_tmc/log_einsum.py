@@ -102,28 +102,42 @@ def any_flag(flags: List[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
     return torch.stack(flags).any()
 
 
-def _repaired(
-    result: torch.Tensor,
-    suspect: torch.Tensor,
+def _log_plus_shifts(
+    shifted_sum: torch.Tensor,
+    shifts: Sequence[torch.Tensor],
+    live: Callable[[], torch.Tensor],
     exact_at: Callable[[torch.Tensor], torch.Tensor],
-    terms_per_entry: int,
+    num_terms: int,
 ) -> torch.Tensor:
     """
-    ``result`` with the entries where ``suspect`` is set replaced by
-    ``exact_at(index)`` (``index``: their multi-indices, one row per entry), in
-    chunks of at most :data:`EXACT_CHUNK_ELEMENTS` terms. Under
-    :func:`deferred_underflow_checks`, ``result`` unchanged and the flag recorded.
+    ``log(shifted_sum) + sum(shifts)``, a log-space product, with its underflowed
+    entries (a shifted sum of ``num_terms`` terms below :func:`underflow_floor`,
+    where ``live()`` holds: finite maxima, so not ``-inf`` for want of terms)
+    replaced by ``exact_at(index)`` (``index``: their multi-indices, one row per
+    entry), in chunks of at most :data:`EXACT_CHUNK_ELEMENTS` terms. Under
+    :func:`deferred_underflow_checks`, nothing is replaced and a flag is recorded.
     """
+    low = shifted_sum < underflow_floor(shifted_sum.dtype, num_terms)
     flags = _DEFERRED_FLAGS.get()
+    if flags is None and not low.any():  # one reduction, and the only sync
+        # the common case: every sum far above 0, so a plain log (finite gradient) will do
+        return _plus(shifted_sum.log(), shifts)
+    result = _plus(safe_log(shifted_sum), shifts)
     if flags is not None:
-        flags.append(suspect.any())
+        flags.append((low & live()).any())
         return result
-    flat = suspect.expand(result.shape).reshape(-1).nonzero().squeeze(-1)  # one sync, none if clean
+    flat = (low & live()).expand(result.shape).reshape(-1).nonzero().squeeze(-1)
     if not flat.numel():
         return result
-    chunk = max(1, EXACT_CHUNK_ELEMENTS // max(terms_per_entry, 1))
+    chunk = max(1, EXACT_CHUNK_ELEMENTS // max(num_terms, 1))
     values = [exact_at(_unravel(part, result.shape)) for part in flat.split(chunk)]
     return result.reshape(-1).index_put((flat,), torch.cat(values).to(result.dtype)).reshape(result.shape)
+
+
+def _plus(result: torch.Tensor, shifts: Sequence[torch.Tensor]) -> torch.Tensor:
+    for shift in shifts:
+        result = result + shift
+    return result
 
 
 def _unravel(flat: torch.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -199,17 +213,16 @@ def einsum(equation: str, *operands: torch.Tensor) -> torch.Tensor:
         shifts.append(_shift_to_output(shift, dims, output))
     renamed = "".join(rename.get(c, c) for c in equation)
     shifted_sum = torch.einsum(renamed, *exps)
-    result = safe_log(shifted_sum)
-    for shift in shifts:
-        result = result + shift
     num_terms = math.prod(sizes[d] for d in set("".join(inputs)) - set(output))
     if len(inputs) == 1 or num_terms == 1:  # a sum holding its maximum, exp(0) = 1: never underflows
-        return result
-    floor = torch.finfo(result.dtype).min
-    finite_maxima = functools.reduce(operator.and_, [shift > floor for shift in shifts])  # not clamped
-    suspect = (shifted_sum < underflow_floor(result.dtype, num_terms)) & finite_maxima
+        return _plus(safe_log(shifted_sum), shifts)
+    floor = torch.finfo(shifted_sum.dtype).min
+
+    def live() -> torch.Tensor:  # every operand's maximum finite (its shift not clamped)
+        return functools.reduce(operator.and_, [shift > floor for shift in shifts])
+
     exact_at = functools.partial(_exact_einsum_entries, inputs, output, operands, sizes)
-    return _repaired(result, suspect, exact_at, num_terms)
+    return _log_plus_shifts(shifted_sum, shifts, live, exact_at, num_terms)
 
 
 tensordot = Tensordot(einsum)
@@ -235,10 +248,9 @@ def log_matmul_exp(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     x_shift = x.detach().amax(-1, keepdim=True).clamp(min=floor)
     y_shift = y.detach().amax(-2, keepdim=True).clamp(min=floor)
     shifted_sum = torch.matmul((x - x_shift).exp(), (y - y_shift).exp())
-    result = safe_log(shifted_sum) + x_shift + y_shift
-    finite_maxima = (x_shift > floor) & (y_shift > floor)
-    suspect = (shifted_sum < underflow_floor(x.dtype, x.size(-1))) & finite_maxima
-    return _repaired(result, suspect, functools.partial(_exact_matmul_entries, x, y), x.size(-1))
+    live = lambda: (x_shift > floor) & (y_shift > floor)  # noqa: E731 (finite maxima: not clamped)
+    exact_at = functools.partial(_exact_matmul_entries, x, y)
+    return _log_plus_shifts(shifted_sum, [x_shift, y_shift], live, exact_at, x.size(-1))
 
 
 def sequential_log_matmul_exp(logits: torch.Tensor) -> torch.Tensor:
