@@ -130,7 +130,8 @@ def _loss_and_model_gradient(elbo):
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
     seen = []
-    loss = elbo.differentiable_loss(_minibatch_model, _minibatch_guide, seen)
+    with pyro.validation_enabled(False):  # no probe draw (another minibatch) among the calls
+        loss = elbo.differentiable_loss(_minibatch_model, _minibatch_guide, seen)
     (grad,) = torch.autograd.grad(loss, [pyro.param("shift").unconstrained()])
     return loss.item(), grad.item(), seen
 

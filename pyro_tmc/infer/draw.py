@@ -20,7 +20,7 @@ posterior marginal).
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Set
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 
@@ -45,6 +45,7 @@ from ..factors import (
     symbolize,
 )
 from ..poutine import TMCMessenger
+from .broadcast_check import BroadcastCheck, run_probe
 from .path_gradients import marginal_sources, with_leaf_values
 
 
@@ -71,6 +72,10 @@ class DrawSettings:
     joint: bool = False
     #: the loss's cache of estimate programs (:mod:`pyro_tmc.compiled`), or ``None``: eager
     program: Optional[EstimateProgram] = None
+    #: the loss's record of its hand-broadcasting probe (:mod:`pyro_tmc.infer.broadcast_check`)
+    broadcast_check: Optional[BroadcastCheck] = None
+    #: ``dim -> K`` overriding every sampled site's count (the probe draw itself)
+    particle_counts: Optional[Callable[[int], int]] = None
 
     def max_factor_elements(self) -> Optional[int]:
         if self.max_factor_bytes is None:
@@ -127,6 +132,10 @@ class TMCDraw:
             guide_trace = replay_guide(guide, leaf_trace, args, kwargs, settings)
         model_trace = run_model(model, guide_trace, args, kwargs, settings)
         model_trace, guide_trace = finish(model_trace, guide_trace, settings.max_plate_nesting)
+        check = settings.broadcast_check
+        if check is not None and check.wanted() and not settings.joint:
+            run_probe(lambda probe: traces_of_one_draw(model, guide, args, kwargs, probe), settings)
+            check.done = True
         return cls(model_trace, guide_trace, settings, live_trace, leaves)
 
     # -- what it holds -----------------------------------------------------------
@@ -217,6 +226,13 @@ def latent_site_names(trace: Trace) -> List[str]:
     ]
 
 
+def traces_of_one_draw(model, guide, args, kwargs, settings: DrawSettings) -> Tuple[Trace, Trace]:
+    """The finished (model, guide) traces of a plain draw (no leaves)."""
+    guide_trace = run_guide(guide, args, kwargs, settings)
+    model_trace = run_model(model, guide_trace, args, kwargs, settings)
+    return finish(model_trace, guide_trace, settings.max_plate_nesting)
+
+
 def run_guide(guide, args, kwargs, settings: DrawSettings) -> Trace:
     """The guide under ``tmc``: K particles for every latent site, dims left of the plates."""
     messenger = TMCMessenger(
@@ -224,6 +240,7 @@ def run_guide(guide, args, kwargs, settings: DrawSettings) -> Trace:
         settings.proposal,
         first_available_dim=-1 - settings.max_plate_nesting,
         joint_dim="new" if settings.joint else None,
+        particle_counts=settings.particle_counts,
     )
     guide_trace = run_with_shape_hint(
         messenger, "guide", poutine.trace(messenger(guide)).get_trace, args, kwargs
@@ -259,6 +276,7 @@ def continuing_messenger(replayed: Trace, settings: DrawSettings) -> TMCMessenge
         reserved_dims=particle_dims_of(replayed),
         continue_allocation=True,
         joint_dim=joint_dim(replayed) if settings.joint else None,
+        particle_counts=settings.particle_counts,
     )
 
 

@@ -11,6 +11,7 @@ from ..compiled import EstimateProgram
 from ..poutine.tmc_messenger import check_num_samples
 from ..proposals import check_proposal
 from .base import DifferentiableLossELBO
+from .broadcast_check import BroadcastCheck
 from .draw import DrawSettings, TMCDraw
 from .estimators import make_estimator
 
@@ -94,6 +95,7 @@ class TMC_ELBO(DifferentiableLossELBO):
         self.max_factor_bytes = max_factor_bytes
         self.compile = compile
         self.program = None if compile is None else EstimateProgram(compile, compile_options)
+        self.broadcast_check = BroadcastCheck()
         self.proposal = check_proposal(proposal)
         self.estimator = self._make_estimator(variance_reduction)
         self.variance_reduction = variance_reduction
@@ -117,6 +119,7 @@ class TMC_ELBO(DifferentiableLossELBO):
             self.max_plate_nesting,
             self.max_factor_bytes,
             program=self.program,
+            broadcast_check=self.broadcast_check,
         )
 
     def _checked(self, draw: TMCDraw) -> TMCDraw:

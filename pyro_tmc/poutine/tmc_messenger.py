@@ -120,6 +120,9 @@ class TMCMessenger(EnumMessenger):
     :param reserved_dims: dims that the replayed values occupy (the guide's
         particle dims); sites drawn here never take one, since the guide's
         ``pyro.markov`` allocations are local and do not advance the allocator.
+    :param particle_counts: ``dim -> K``: if given, every sampled site draws
+        this many particles on its dim, whatever it asks for (the validation
+        probe of :mod:`pyro_tmc.infer.broadcast_check`).
     :param joint_dim: ``"new"`` or a ``(dim, id)`` pair: every sampled latent
         shares one particle dim (IWAE's joint samples: K particle combinations,
         not K^n); ``"new"`` allocates it at the first sampled site.
@@ -137,6 +140,7 @@ class TMCMessenger(EnumMessenger):
         continue_allocation: bool = False,
         joint_dim: Optional[tuple] = None,
         reserved_dims: Collection[int] = (),
+        particle_counts: Optional[Callable[[int], int]] = None,
     ) -> None:
         self.num_samples = check_num_samples(num_samples, "tmc(num_samples)")
         self.proposal = get_proposal(proposal)
@@ -149,6 +153,7 @@ class TMCMessenger(EnumMessenger):
         super().__init__(first_available_dim)
         self.replayed_sites = frozenset(replayed_sites)
         self.reserved_dims = frozenset(reserved_dims)
+        self.particle_counts = particle_counts
         self.joint_dim = joint_dim
 
     def __enter__(self):
@@ -298,6 +303,8 @@ class TMCMessenger(EnumMessenger):
             f"Site '{name}' infer['num_samples']",
             "infer={'num_samples': 16}",
         )
+        if self.particle_counts is not None:
+            num_samples = self.particle_counts(target_dim)
         batch_shape = fn.batch_shape
         parent_dims = tuple(d for d in range(-len(batch_shape), 0) if batch_shape[d] > 1 and d in param_dims)
         return draw_particles(name, fn, num_samples, self.proposal, parent_dims, target_dim)
