@@ -18,6 +18,15 @@ from pyro_tmc import TMC_ELBO, TMC_RWS
 DATA = torch.tensor([0.3, -1.2, 2.0, 0.7])
 
 
+@pytest.fixture(autouse=True, params=[torch.float32, torch.float64], ids=["float32", "float64"])
+def default_dtype(request):
+    """Every case in both precisions, against its oracle in the same precision."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(request.param)
+    yield request.param
+    torch.set_default_dtype(previous)
+
+
 def _empty_guide(*args, **kwargs):
     pass
 
