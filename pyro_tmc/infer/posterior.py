@@ -353,12 +353,14 @@ def _gather_values(site, index: torch.Tensor, plate_to_symbol: Dict[str, str]) -
     values = _particles_last(site, site["value"].detach(), event_dim)  # plates + (K,) + event
     plates = _plate_shape(site)
     symbols = _plate_symbols(site, plate_to_symbol)
+    # An unplated slot's symbol is "" (a dim of size 1 under an outer plate); "" is in every
+    # string, so test for it before asking whether the index holds that dim.
     index_dims = index._pyro_dims
-    present = [DRAWS] + [d for d in symbols if d in index_dims]
+    held = [bool(symbol) and symbol in index_dims for symbol in symbols]
+    present = [DRAWS] + [symbol for symbol, is_held in zip(symbols, held) if is_held]
     index = index.permute(tuple(index_dims.index(d) for d in present))
-    index = index.reshape(
-        index.shape[:1] + tuple(size if symbol in index_dims else 1 for size, symbol in zip(plates, symbols))
-    )
+    plate_sizes = tuple(size if is_held else 1 for size, is_held in zip(plates, held))
+    index = index.reshape(index.shape[:1] + plate_sizes)
     index = index.expand(index.shape[:1] + plates)
     values = values.expand(index.shape[:1] + values.shape)
     picks = index.reshape(index.shape + (1,) * (event_dim + 1))
