@@ -95,9 +95,11 @@ def test_impossible_factor_names_site():
             TMC_ELBO(max_plate_nesting=0).loss(bounded_model, outside_guide)
 
 
-def test_sequential_enumeration_is_refused():
-    def seq_model():
-        pyro.sample("c", dist.Bernoulli(0.5), infer={"enumerate": "sequential"})
+def test_sequential_enumeration_without_support_is_refused():
+    """Sequential enumeration is summed in parallel; a site with nothing to enumerate is refused."""
 
-    with pytest.raises(NotImplementedError, match="Site 'c'.*parallel"):
+    def seq_model():
+        pyro.sample("c", dist.Normal(0.0, 1.0), infer={"enumerate": "sequential"})
+
+    with pytest.raises(ValueError, match="Site 'c'.*no finite support"):
         TMC_ELBO(max_plate_nesting=0).loss(seq_model, lambda: None)

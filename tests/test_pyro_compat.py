@@ -768,41 +768,9 @@ def test_shape_error_hint(model, guide, error_type, names):
 
 
 # ---------------------------------------------------------------------------
-# 12. Unsupported Pyro features raise NotImplementedError naming the site.
+# 12. Sequential enumeration (summed in parallel) and pyro.poutine.collapse:
+#     tests/test_pyro_features.py.
 # ---------------------------------------------------------------------------
-
-
-def _sequential(name):
-    return pyro.sample(name, dist.Bernoulli(0.3), infer={"enumerate": "sequential"})
-
-
-@pytest.mark.parametrize("where", ["model", "guide"])
-def test_sequential_enumeration_not_implemented(where):
-    """TMC has no sequential enumeration: refuse it by name rather than silently sample."""
-
-    def model():
-        b = _sequential("seq_site") if where == "model" else pyro.sample("seq_site", dist.Bernoulli(0.3))
-        pyro.sample("x", dist.Normal(b, 1.0), obs=torch.tensor(0.5))
-
-    def guide():
-        if where == "guide":
-            _sequential("seq_site")
-
-    with pytest.raises(NotImplementedError, match="seq_site"):
-        TMC_ELBO(num_samples=3, max_plate_nesting=0).loss(model, guide)
-
-
-def test_collapse_not_implemented():
-    """pyro.poutine.collapse (needs funsor) turns sites into funsors, which TMC cannot contract."""
-    pytest.importorskip("funsor")
-
-    def model():
-        with poutine.collapse():
-            loc = pyro.sample("collapsed_loc", dist.Normal(0.0, 1.0))
-            pyro.sample("x", dist.Normal(loc, 1.0), obs=torch.tensor(0.5))
-
-    with pytest.raises(NotImplementedError, match="collapsed_loc"):
-        TMC_ELBO(num_samples=3, max_plate_nesting=0).loss(model, empty_guide)
 
 
 # --------------------------------------------------------------------------- #

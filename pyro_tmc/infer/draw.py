@@ -46,6 +46,7 @@ from ..factors import (
 )
 from ..poutine import TMCMessenger
 from .broadcast_check import BroadcastCheck, run_probe
+from .collapse_check import collapse_refusal
 from .path_gradients import marginal_sources, with_leaf_values
 
 
@@ -303,11 +304,13 @@ def finish(model_trace: Trace, guide_trace: Trace, max_plate_nesting) -> tuple:
     """Validate (as ``TraceEnum_ELBO`` does), prune subsample sites, symbolise, check plate dependencies."""
     if is_validation_enabled():
         check_model_guide_shapes_match(model_trace, guide_trace, max_plate_nesting)
-        check_traceenum_requirements(model_trace, guide_trace)
     guide_trace = prune_subsample_sites(guide_trace)
     model_trace = prune_subsample_sites(model_trace)
     if is_validation_enabled():
         check_site_shapes(model_trace, guide_trace, max_plate_nesting)
+        # After pruning, as TraceEnum_ELBO does: a plate's subsample site lies outside
+        # every plate, and would read as depending on the enumerated sites of an earlier plate.
+        check_traceenum_requirements(model_trace, guide_trace)
     symbolize(model_trace, guide_trace)
     check_plate_dependencies(model_trace, guide_trace)
     return model_trace, guide_trace
@@ -321,6 +324,9 @@ def run_with_shape_hint(messenger: TMCMessenger, role: str, run, args, kwargs) -
     try:
         return run(*args, **kwargs)
     except (RuntimeError, IndexError, ValueError) as error:
+        refusal = collapse_refusal(error, messenger.particle_dims)
+        if refusal is not None:
+            raise refusal from error
         if not is_shape_error(error):
             raise  # our own errors, and the user's that have nothing to do with shapes
         try:
@@ -391,8 +397,8 @@ def warn_about_summed_guide_sites(guide_trace: Trace) -> None:
     for name, site in guide_trace.nodes.items():
         if site["type"] == "sample" and not site["is_observed"] and is_summed_exactly(site):
             warnings.warn(
-                f"Guide site '{name}' is marked infer={{'enumerate': 'parallel'}}: TMC_ELBO sums it "
-                "exactly over its support, where the guide's probabilities cancel "
+                f"Guide site '{name}' is marked infer={{'enumerate': {site['infer'].get('enumerate')!r}}}: "
+                "TMC_ELBO sums it exactly over its support, where the guide's probabilities cancel "
                 "(sum_z q(z) p(x, z) / q(z) = sum_z p(x, z)), so the estimate is exact in this site "
                 "and the guide's parameters for it get no gradient. Drop the flag, or set "
                 "infer={'num_samples': K}, to sample it from the guide instead.",

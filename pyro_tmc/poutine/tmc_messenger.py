@@ -1,7 +1,8 @@
 """The ``tmc`` handler: a K-sized particle dimension for every latent sample site."""
 
 import numbers
-from typing import Callable, Collection, Dict, Optional
+import warnings
+from typing import Callable, Collection, Dict, Optional, Set
 
 import torch
 from torch.distributions import Independent
@@ -44,14 +45,59 @@ def check_num_samples(num_samples, where: str, example: str = "") -> int:
 def is_exactly_enumerated(msg: Message) -> bool:
     """
     Whether a latent site is summed exactly over its support rather than sampled:
-    marked ``infer={"enumerate": "parallel"}`` without ``num_samples``, with a
-    distribution that has enumerable support.
+    marked ``infer={"enumerate": "parallel"}`` (or ``"sequential"``, summed in
+    parallel: the same value) without ``num_samples``, with a distribution that
+    has enumerable support.
     """
     infer = msg["infer"]
     return (
-        infer.get("enumerate") == "parallel"
+        infer.get("enumerate") in ("parallel", "sequential")  # sequential: summed in parallel
         and "num_samples" not in infer
         and msg["fn"].has_enumerate_support
+    )
+
+
+#: Names of the sites already warned that their sequential enumeration is summed in parallel.
+_WARNED_SEQUENTIAL: Set[str] = set()
+
+
+def check_sequential_summable(msg: Message) -> None:
+    """
+    :raises ValueError: if a site marked ``infer={"enumerate": "sequential"}``
+        cannot be summed over its support: it sets ``num_samples`` (Pyro's
+        ``config_enumerate`` refuses the pair too), or its distribution has no
+        ``enumerate_support``. Sampling it instead would silently change what
+        the flag asks for.
+    """
+    name = msg["name"]
+    if "num_samples" in msg["infer"]:
+        raise ValueError(
+            f"Site '{name}' asks for sequential enumeration with infer['num_samples']: sequential "
+            "enumeration sums over the whole support and draws no samples. Use "
+            "infer={'enumerate': 'parallel', 'num_samples': K} to sample K values, or drop 'num_samples'."
+        )
+    if not msg["fn"].has_enumerate_support:
+        raise ValueError(
+            f"Site '{name}' asks for sequential enumeration, but its distribution "
+            f"{type(msg['fn']).__name__} has no finite support to enumerate. Drop the flag to sample it."
+        )
+
+
+def warn_summed_in_parallel(name: str) -> None:
+    """
+    Warn, once per site name in a process, that a sequentially enumerated site
+    is summed in parallel: the same value (the exact sum over its support), in
+    one tensor of the support's size rather than one run per value.
+    """
+    if name in _WARNED_SEQUENTIAL:
+        return
+    _WARNED_SEQUENTIAL.add(name)
+    warnings.warn(
+        f"Site '{name}' asks for sequential enumeration: TMC sums it in parallel over its support "
+        "instead, which gives the same value (the exact sum). Its value holds the whole support "
+        "along a dim of its own, so the code that reads it must broadcast (no Python control flow "
+        "or .item() on it). Mark it infer={'enumerate': 'parallel'} to silence this warning.",
+        UserWarning,
     )
 
 
@@ -186,13 +232,11 @@ class TMCMessenger(EnumMessenger):
         param_dims = self._record_scope(msg)
         if msg["done"] or msg["is_observed"] or msg["name"] in self.replayed_sites:
             return
-        if msg["infer"].get("enumerate") == "sequential":
-            raise NotImplementedError(
-                f"Site '{msg['name']}' asks for sequential enumeration, which TMC does not do. "
-                "Use infer={'enumerate': 'parallel'} to sum it exactly, or drop the flag to sample it."
-            )
         if is_point_mass(msg["fn"]):
             return  # drawn as usual: its one value, with its parents' particle dims
+        if msg["infer"].get("enumerate") == "sequential":
+            check_sequential_summable(msg)
+            warn_summed_in_parallel(msg["name"])
         if is_exactly_enumerated(msg):
             target_dim, id_ = self._allocate(msg, param_dims)
             check_no_dim_conflict(msg, target_dim)
