@@ -228,6 +228,36 @@ def test_sequential_equals_parallel_on_identical_particles():
     assert_close(sequential_grads, parallel_grads, atol=1e-10)
 
 
+HMM_X = torch.tensor([0.1, 1.4, 1.1, -0.3, 0.8], dtype=F64)
+
+
+def hmm(mode):
+    """A two-state HMM under ``pyro.markov``: every state marked ``infer={"enumerate": mode}``."""
+    transition = pyro.param(
+        "transition", torch.tensor([[0.8, 0.2], [0.3, 0.7]], dtype=F64), constraint=constraints.simplex
+    )
+    locs = pyro.param("emission_locs", torch.tensor([0.0, 1.2], dtype=F64))
+    state = torch.tensor(0)
+    for t in pyro.markov(range(len(HMM_X))):
+        state = pyro.sample(f"state_{t}", dist.Categorical(transition[state]), infer={"enumerate": mode})
+        pyro.sample(f"x_{t}", dist.Normal(locs[state], 0.5), obs=HMM_X[t])
+
+
+def test_sequential_markov_chain_equals_parallel_enumeration():
+    """Sequential states in a markov chain recycle dims as parallel ones do: TraceEnum_ELBO's value."""
+    names = ["transition", "emission_locs"]
+    expected, expected_grads = loss_and_grads(
+        TraceEnum_ELBO(max_plate_nesting=0), hmm, no_guide, names, "parallel"
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        actual, actual_grads = loss_and_grads(
+            TMC_ELBO(num_samples=3, max_plate_nesting=0), hmm, no_guide, names, "sequential"
+        )
+    assert actual.item() == pytest.approx(expected.item(), abs=1e-5)
+    assert_close(actual_grads, expected_grads)
+
+
 def test_sequential_warns_once_per_site():
     """Three steps and a second loss object: one warning for the site, not one per step."""
     elbo = TMC_ELBO(num_samples=2, max_plate_nesting=1)
