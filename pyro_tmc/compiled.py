@@ -41,7 +41,7 @@ import torch
 from torch.distributions import Distribution
 from torch.distributions.transforms import Transform
 
-from .factors import compute_log_factors, contract_estimate, log_prob_error
+from .factors import compute_log_factors, contract_estimate, factor_budget, log_prob_error
 from .log_einsum import any_flag, deferred_underflow_checks
 from .proposals import ProposalStrategy
 
@@ -249,7 +249,7 @@ class GraphFallback(Exception):
 
 
 def _estimate_function(flat: FlatDraw, settings, detach_guide_proposals: bool) -> Callable:
-    max_factor_elements = settings.max_factor_elements()
+    max_factor_elements = None  # a draw with chunked factors runs eagerly (log_estimate)
 
     def estimate(*inputs: torch.Tensor) -> torch.Tensor:
         inputs = list(inputs)
@@ -355,7 +355,7 @@ class EstimateProgram:
         self, draw, sources: Optional[Dict[str, torch.Tensor]], detach_guide_proposals: bool
     ) -> Optional[torch.Tensor]:
         """``log P_TMC`` of the draw by its plan's program, or ``None`` where the eager path must run."""
-        if draw.settings.max_factor_bytes is not None:
+        if factor_budget(draw.model_trace, draw.settings.max_factor_elements()) is not None:
             return None  # chunked factors checkpoint their slices: eager only
         validate_samples(draw)
         flat = flatten_draw(draw, sources, detach_guide_proposals)

@@ -26,9 +26,17 @@ from pyro.ops.packed import pack
 from pyro.poutine import Trace
 from pyro.util import check_site_shape
 
-from . import log_density
+from . import log_density, memory
 from .batched_densities import stacked_log_probs
 from .contraction import ChunkedFactor, contract_log_factors
+from .memory import (
+    AUTO,
+    auto_budget_bytes,
+    available_bytes,
+    factor_memory_error,
+    naming_the_largest_factor,
+    naming_the_site,
+)
 from .proposals import proposal_log_prob
 from .scales import ScalePlan, plan_scales
 from .shapes import broadcast_shape
@@ -106,6 +114,60 @@ def _log_prob_numel(site) -> int:
     return math.prod(_batch_shape(site))
 
 
+def _can_chunk(site) -> bool:
+    """Whether a site's ``log p`` can be built in slices: a latent with more than 2 particles."""
+    return (
+        not site["is_observed"]
+        and "_enumerate_dim" in site["infer"]
+        and particle_shape(site)[site["infer"]["_enumerate_dim"]] > 2
+    )
+
+
+def _itemsize() -> int:
+    """Bytes per element of a log factor (the default dtype's)."""
+    return torch.finfo(torch.get_default_dtype()).bits // 8
+
+
+def factor_budget(model_trace: Trace, max_factor_elements) -> Optional[int]:
+    """
+    The budget, in elements, for each log factor of this draw: ``max_factor_elements``
+    as given, or under ``"auto"`` (:data:`pyro_tmc.memory.AUTO`) a share of the memory
+    available on the largest factor's device (:func:`pyro_tmc.memory.auto_budget_bytes`),
+    read only where that factor is large; ``None`` builds every factor whole.
+
+    :raises FactorMemoryError: under ``"auto"``, where a factor's smallest slice (2
+        particles of its site, or the whole factor if it cannot be sliced) is larger
+        than the memory available.
+    """
+    if max_factor_elements != AUTO:
+        return max_factor_elements
+    sites = [site for site in model_trace.nodes.values() if site["type"] == "sample"]
+    itemsize = _itemsize()
+    # a bound first, of C calls only (value and batch both whole): a small model stops here
+    bound = max((site["value"].numel() * site["fn"].batch_shape.numel() for site in sites), default=0)
+    if bound * itemsize <= memory.AUTO_MIN_BYTES:
+        return None
+    sizes = [_log_prob_numel(site) for site in sites]  # shape arithmetic only
+    largest = max(range(len(sites)), key=sizes.__getitem__)
+    device = sites[largest]["value"].device
+    budget = auto_budget_bytes(sizes[largest] * itemsize, device)
+    if budget is None:
+        return None
+    available = available_bytes(device)
+    for site, numel in zip(sites, sizes):
+        if numel * itemsize > budget:
+            smallest = (
+                2 * numel // particle_shape(site)[site["infer"]["_enumerate_dim"]]
+                if _can_chunk(site)
+                else numel
+            )
+            if smallest * itemsize > available:
+                raise factor_memory_error(
+                    site["name"], smallest * itemsize, AUTO, available, smallest_slice=True
+                )
+    return budget // itemsize
+
+
 def _chunked_log_prob(site, extra_scale, max_factor_elements: int, mask) -> ChunkedFactor:
     """The site's ``log p`` as slices along its own particle dim, each within the budget."""
     value, fn = site["value"], site["fn"]
@@ -119,7 +181,8 @@ def _chunked_log_prob(site, extra_scale, max_factor_elements: int, mask) -> Chun
 
     def compute(start: int, stop: int) -> torch.Tensor:
         part = value.narrow(batch_ndim + particle_dim, start, stop - start)
-        return pack(scale_and_mask(_log_prob(site, part), extra_scale, mask), dim_to_symbol)
+        with naming_the_site(site["name"], max_factor_elements * _itemsize()):
+            return pack(scale_and_mask(_log_prob(site, part), extra_scale, mask), dim_to_symbol)
 
     batch = broadcast_shape(value.shape[:batch_ndim], fn.batch_shape)
     dims = "".join(dim_to_symbol[d - len(batch)] for d, size in enumerate(batch) if size > 1)
@@ -228,13 +291,7 @@ def site_log_factors(
     if q_site is site and is_point_mass_site(site):
         return []  # a model-only Delta proposes itself: p / q = 1
     mask = None if q_site is not None and is_summed_exactly(q_site) else site["mask"]
-    if (
-        max_factor_elements is not None
-        and not site["is_observed"]
-        and "_enumerate_dim" in site["infer"]
-        and _log_prob_numel(site) > max_factor_elements
-        and particle_shape(site)[site["infer"]["_enumerate_dim"]] > 2
-    ):
+    if max_factor_elements is not None and _log_prob_numel(site) > max_factor_elements and _can_chunk(site):
         factors = [_chunked_log_prob(site, extra_scale, max_factor_elements, mask)]
     else:
         packed = _stacked_log_p_factor(site, extra_scale, mask, densities, dim_to_symbol)
@@ -308,24 +365,32 @@ def compute_log_factors(
     :param Trace guide_trace: the guide run under ``tmc``.
     :param dict sources: site name -> zero tensor added to that site's factor.
     :param bool detach_guide_proposals: see :func:`site_log_factors`.
-    :param int max_factor_elements: see :func:`site_log_factors`.
+    :param max_factor_elements: see :func:`site_log_factors`, or ``"auto"``
+        (:func:`factor_budget`).
+    :raises FactorMemoryError: naming the site whose factor cannot be allocated.
     """
     sources = {} if sources is None else sources
+    setting = (
+        max_factor_elements if max_factor_elements in (None, AUTO) else max_factor_elements * _itemsize()
+    )
+    max_factor_elements = factor_budget(model_trace, max_factor_elements)
     # a memory budget bounds each factor: stacking a group would exceed it
     densities = site_densities(model_trace, guide_trace) if max_factor_elements is None else None
     factors = []
     for name, site in model_trace.nodes.items():
         if site["type"] != "sample":
             continue
-        for tensor in site_log_factors(
-            name,
-            model_trace,
-            guide_trace,
-            sources.get(name),
-            detach_guide_proposals,
-            max_factor_elements,
-            densities,
-        ):
+        with naming_the_site(name, setting):
+            terms = site_log_factors(
+                name,
+                model_trace,
+                guide_trace,
+                sources.get(name),
+                detach_guide_proposals,
+                max_factor_elements,
+                densities,
+            )
+        for tensor in terms:
             factors.append(LogFactor(name, _keep_scaled_unit_plates(tensor, site, model_trace)))
     for name in guide_only_sites(model_trace, guide_trace):
         site = guide_trace.nodes[name]
@@ -536,7 +601,13 @@ def particle_shape(site) -> torch.Size:
 def contract_estimate(factors: List["LogFactor"], model_trace: Trace) -> torch.Tensor:
     """log P_TMC: the factors contracted with the trace's plate scales, times its root scale."""
     plan = scale_plan(model_trace)
-    estimate = contract_log_factors([f.term for f in factors], plan.plate_scales)
+    if not factors:
+        return contract_log_factors([], plan.plate_scales)
+    # an allocation failing in the contraction is named after the largest factor
+    sizes = [f.term.numel if isinstance(f.term, ChunkedFactor) else f.term.numel() for f in factors]
+    largest = max(range(len(factors)), key=sizes.__getitem__)
+    with naming_the_largest_factor(factors[largest].site, sizes[largest] * _itemsize()):
+        estimate = contract_log_factors([f.term for f in factors], plan.plate_scales)
     return estimate if plan.root == 1.0 else estimate * plan.root
 
 

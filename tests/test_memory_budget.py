@@ -231,3 +231,171 @@ def test_f5_budget_lowers_peak_memory():
             assert chunked_peak < 0.5 * peak, (configurations[i], peak, chunked_peak)
         else:
             assert chunked_peak < 1.1 * peak + 4 * 2**20, (configurations[i], peak, chunked_peak)
+
+
+# -- the default budget, and the error when a factor cannot fit ---------------------------------
+
+# The toy model under a limited address space (RLIMIT_AS: what is mapped now plus LIMIT bytes),
+# in a child process: (1) with no budget, the factor p(z | theta) (K x K x N) cannot be allocated
+# and the error names z; (2) with the default budget it is built in slices and the estimate equals
+# a float64 computation by hand on the same particles; (3) a factor whose smallest slice (2
+# particles of z, with 2^16 particles of theta) exceeds the memory fails before allocating it.
+LIMITED_CHILD = textwrap.dedent(
+    """
+    import json, math, os, resource, sys, time
+    import torch, pyro, pyro.distributions as dist
+    from pyro_tmc import TMC_ELBO
+
+    num_data, num_samples, limit = (int(a) for a in sys.argv[1:4])
+    with open("/proc/self/statm") as statm:
+        mapped = int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    resource.setrlimit(resource.RLIMIT_AS, (mapped + limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+
+    def model(x, theta_samples=None):
+        theta = pyro.sample("theta", dist.Normal(0.0, 1.0))
+        with pyro.plate("data", len(x)):
+            z = pyro.sample("z", dist.Normal(theta, 1.0))
+            pyro.sample("x", dist.Normal(z, 1.0), obs=x)
+
+    particles = {}
+
+    def guide(x, theta_samples=None):
+        infer = {} if theta_samples is None else {"num_samples": theta_samples}
+        theta = pyro.sample("theta", dist.Normal(0.0, 1.0), infer=infer)
+        with pyro.plate("data", len(x)):
+            z = pyro.sample("z", dist.Normal(0.0, 2.0))
+        particles.setdefault(theta.numel(), (theta.reshape(-1), z.reshape(-1, len(x))))
+
+    def error(run):
+        try:
+            run()
+        except MemoryError as e:
+            return [type(e).__name__, isinstance(e, RuntimeError), str(e)]
+        return None
+
+    x = torch.randn(num_data, generator=torch.Generator().manual_seed(0))
+    out = {}
+    out["none"] = error(lambda: TMC_ELBO(num_samples, 1, max_factor_bytes=None).log_evidence(model, guide, x))
+    particles.clear()
+    pyro.set_rng_seed(0)
+    start = time.time()
+    out["auto"] = TMC_ELBO(num_samples, 1).log_evidence(model, guide, x).item()
+    out["seconds"] = time.time() - start
+
+    # by hand, in float64: log 1/K sum_j [prod_n 1/K sum_k p(z_kn | t_j) p(x_n | z_kn) / q(z_kn)]
+    # (p(t_j) = q(t_j) cancels), 16 thetas at a time
+    theta, z = (t.double() for t in particles[num_samples])
+    xd = x.double()
+    inner = dist.Normal(z, 1.0).log_prob(xd) - dist.Normal(0.0, 2.0).log_prob(z) - 0.5 * math.log(2 * math.pi)
+    per_theta = []
+    for block in theta.split(16):  # log N(z; t, 1) + inner, summed over z's particles
+        terms = (z - block[:, None, None]).square_().mul_(-0.5).add_(inner)
+        per_theta.append(terms.logsumexp(1).sum(-1))
+    per_theta = torch.cat(per_theta)
+    out["reference"] = (per_theta.logsumexp(0) - (num_data + 1) * math.log(num_samples)).item()
+
+    small = x[: 2**14].repeat(2**14 // min(len(x), 2**14) + 1)[: 2**14]
+    out["slice"] = error(lambda: TMC_ELBO(4, 1).log_evidence(model, guide, small, theta_samples=2**16))
+    print(json.dumps(out))
+    """
+)
+
+
+def run_limited(num_data, num_samples, limit):
+    out = subprocess.run(
+        [sys.executable, "-c", LIMITED_CHILD, str(num_data), str(num_samples), str(limit)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+LINUX = os.path.exists("/proc/self/statm")
+
+
+def _check_limited_run(out, num_data, num_samples):
+    # (1) no budget: the factor is allocated whole and cannot be; the error says so, not torch's allocator
+    kind, is_runtime_error, message = out["none"]
+    assert kind == "FactorMemoryError" and is_runtime_error
+    factor_bytes = num_samples * num_samples * num_data * 4
+    assert "site 'z'" in message and f"{factor_bytes} bytes" in message and "max_factor_bytes=None" in message
+    assert "DefaultCPUAllocator" not in message
+    # (2) the default budget: sliced, and the value of the same particles computed by hand in float64
+    assert out["auto"] == pytest.approx(out["reference"], rel=2e-6)
+    # (3) not even 2 particles of z fit: refused before allocating, naming the site, bytes and budget
+    kind, _, message = out["slice"]
+    assert kind == "FactorMemoryError"
+    assert "site 'z'" in message and f"{2 * 2**16 * 2**14 * 4} bytes" in message
+    assert "smallest slice" in message and "max_factor_bytes='auto'" in message
+
+
+@pytest.mark.skipif(not LINUX, reason="limits the address space through Linux's /proc and RLIMIT_AS")
+def test_default_budget_under_limited_memory():
+    """
+    The toy model at N=512, K=512 (a 537 MB factor) with 400 MB of address space to spare: no
+    budget raises a FactorMemoryError naming z; the default budget gives the estimate of the same
+    particles computed by hand in float64. (The issue's N=1024, K=2048, a 17 GB factor, takes a
+    few minutes on 2 cores: ``PYRO_TMC_LARGE_TESTS=1`` runs it, see the next test.)
+    """
+    _check_limited_run(run_limited(512, 512, 400 * 2**20), 512, 512)
+
+
+@pytest.mark.skipif(not LINUX, reason="limits the address space through Linux's /proc and RLIMIT_AS")
+@pytest.mark.skipif(not os.environ.get("PYRO_TMC_LARGE_TESTS"), reason="minutes: PYRO_TMC_LARGE_TESTS=1")
+def test_default_budget_under_limited_memory_large():
+    """Issue 17: the toy model at N=1024, K=2048 (a 17 GB factor) in 4 GB of address space."""
+    _check_limited_run(run_limited(1024, 2048, 4 * 2**30), 1024, 2048)
+
+
+def test_default_budget_leaves_small_models_whole(monkeypatch):
+    """
+    The default ``"auto"`` reads no memory figure for factors under 64 MiB (the common case
+    stays on the unchunked path, stacked densities included); above, it slices a factor larger
+    than 1/8 of the memory available, with the value of the unchunked contraction.
+    """
+    from pyro_tmc import contraction, memory
+
+    reads = []
+
+    def fake_available(device="cpu"):
+        reads.append(device)
+        return 8 * 2**20  # a budget of 1 MiB, where the factor p(z | theta) takes 2 MiB
+
+    monkeypatch.setattr(memory, "available_bytes", fake_available)
+    monkeypatch.setattr("pyro_tmc.factors.available_bytes", fake_available)
+    x = torch.randn(128)
+    pyro.set_rng_seed(0)
+    small = TMC_ELBO(64, max_plate_nesting=1).loss(_toy_model, _toy_guide, x)
+    assert reads == []  # 64 x 64 x 128 elements: never read
+    monkeypatch.setattr(memory, "AUTO_MIN_BYTES", 2**16)  # a floor below the factor: now it is read
+    eliminated = []
+    eliminate = contraction.eliminate_in_chunks
+    monkeypatch.setattr(contraction, "eliminate_in_chunks", lambda *a: eliminated.append(1) or eliminate(*a))
+    pyro.set_rng_seed(0)
+    chunked = TMC_ELBO(64, max_plate_nesting=1).loss(_toy_model, _toy_guide, x)
+    assert reads and eliminated
+    assert chunked == pytest.approx(small, rel=1e-6)
+
+
+def _toy_model(x):
+    theta = pyro.sample("theta", dist.Normal(0.0, 1.0))
+    with pyro.plate("data", len(x)):
+        z = pyro.sample("z", dist.Normal(theta, 1.0))
+        pyro.sample("x", dist.Normal(z, 1.0), obs=x)
+
+
+def _toy_guide(x):
+    pyro.sample("theta", dist.Normal(0.0, 1.0))
+    with pyro.plate("data", len(x)):
+        pyro.sample("z", dist.Normal(0.0, 2.0))
+
+
+def test_max_factor_bytes_values():
+    """``max_factor_bytes`` is a positive int, ``"auto"`` (the default) or ``None``."""
+    assert TMC_ELBO().max_factor_bytes == "auto"
+    assert TMC_ELBO(max_factor_bytes=None).max_factor_bytes is None
+    for bad in [0, -1, "big", 1.5, True]:
+        with pytest.raises(ValueError, match="max_factor_bytes"):
+            TMC_ELBO(max_factor_bytes=bad)

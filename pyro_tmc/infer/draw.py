@@ -58,7 +58,8 @@ class DrawSettings:
     :param int num_samples: K for every latent site that does not set its own.
     :param proposal: the proposal strategy (name or :class:`~pyro_tmc.proposals.ProposalStrategy`).
     :param int max_plate_nesting: plate dims right of the particle dims.
-    :param int max_factor_bytes: a memory budget per log factor, or ``None``.
+    :param max_factor_bytes: a memory budget per log factor in bytes, ``"auto"`` (a share
+        of the memory available: :func:`pyro_tmc.factors.factor_budget`), or ``None``.
     :param bool joint: every sampled latent shares one particle dim: K joint
         samples of the guide, as IWAE draws them, instead of K per site.
     :param EstimateProgram program: where the estimate is computed by a cached
@@ -78,9 +79,10 @@ class DrawSettings:
     #: ``dim -> K`` overriding every sampled site's count (the probe draw itself)
     particle_counts: Optional[Callable[[int], int]] = None
 
-    def max_factor_elements(self) -> Optional[int]:
-        if self.max_factor_bytes is None:
-            return None
+    def max_factor_elements(self):
+        """The budget in elements, or ``"auto"`` (resolved per draw), or ``None``."""
+        if self.max_factor_bytes is None or self.max_factor_bytes == "auto":
+            return self.max_factor_bytes
         return self.max_factor_bytes // (torch.finfo(torch.get_default_dtype()).bits // 8)
 
 

@@ -1,13 +1,14 @@
 """TMC_ELBO: the Tensor Monte Carlo bound as a drop-in Pyro SVI loss: settings, and a draw per step."""
 
 import warnings
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
 from pyro.util import warn_if_nan
 
 from ..compiled import EstimateProgram
+from ..memory import check_max_factor_bytes
 from ..poutine.tmc_messenger import check_num_samples
 from ..proposals import check_proposal
 from .base import DifferentiableLossELBO
@@ -55,10 +56,15 @@ class TMC_ELBO(DifferentiableLossELBO):
     :param str variance_reduction: ``None``, ``"stl"`` or ``"dregs"``.
     :param int num_particles: independent TMC estimates averaged in the loss.
     :param bool vectorize_particles: compute those estimates in one vectorised pass.
-    :param int max_factor_bytes: a memory budget: a site's log-density factor
-        larger than this is computed and summed out in slices along the site's
-        particle dim (with activation checkpointing), same result; ``None``
-        (default) materialises every factor, which is fastest.
+    :param max_factor_bytes: a memory budget in bytes: a site's log-density
+        factor larger than this is computed and summed out in slices along the
+        site's particle dim (with activation checkpointing), same result.
+        ``"auto"`` (default): 1/8 of the memory available when the factors are
+        built (host RAM, or the CUDA device's free memory), read only when a
+        factor exceeds 64 MiB, so small models build every factor whole.
+        ``None``: every factor whole, whatever its size. A factor that cannot
+        fit even in its smallest slice raises
+        :class:`~pyro_tmc.memory.FactorMemoryError` (a ``MemoryError``).
     :param str compile: ``None`` (default): the estimate is computed eagerly.
         ``"graph"``: the estimate's tensor operations are traced once per model
         structure and shapes, then replayed on each step's tensors without the
@@ -84,15 +90,13 @@ class TMC_ELBO(DifferentiableLossELBO):
         variance_reduction: Optional[str] = None,
         num_particles: int = 1,
         vectorize_particles: bool = False,
-        max_factor_bytes: Optional[int] = None,
+        max_factor_bytes: Union[int, str, None] = "auto",
         compile: Optional[str] = None,
         compile_options: Optional[dict] = None,
         **kwargs,
     ) -> None:
         self.num_samples = check_num_samples(num_samples, "TMC_ELBO(num_samples)")
-        if max_factor_bytes is not None and max_factor_bytes <= 0:
-            raise ValueError(f"max_factor_bytes must be positive or None, got {max_factor_bytes}.")
-        self.max_factor_bytes = max_factor_bytes
+        self.max_factor_bytes = check_max_factor_bytes(max_factor_bytes)
         self.compile = compile
         self.program = None if compile is None else EstimateProgram(compile, compile_options)
         self.broadcast_check = BroadcastCheck()
