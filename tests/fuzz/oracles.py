@@ -1,0 +1,928 @@
+"""Exact oracles for fuzz cases: each takes a :class:`~tests.fuzz.generator.Case` and returns
+a list of :class:`Check` results (what was compared, expected, got, pass or not).
+
+- :func:`enum_oracle`: ``TraceEnum_ELBO`` on models whose latents are all enumerated or
+  Delta-guided: values, gradients and marginals, under each loss option.
+- :func:`brute_force_oracle`: the average of p/q over all K^n particle combinations of one
+  draw, listed by hand (values, marginal weights; IWAE's K joint samples).
+- :func:`twin_oracle`: a subsampled or scaled plate against the full plate with the same
+  datum in every element (the same objective).
+- :func:`dtype_oracle`: float32 against float64 on identical particles.
+- :func:`invariance_oracle`: the value on one draw does not depend on ``variance_reduction``,
+  ``compile="graph"``, ``max_factor_bytes``, ``TMC_RWS``, where ``pyro.markov`` is written,
+  ``num_particles`` (the mean of the draws), or an extra latent that nothing depends on.
+- :func:`readout_oracle`: marginal weights sum to one; posterior draws are particles.
+- :func:`unbiasedness_oracle`: ``E[P_TMC] = p(x)`` on linear-Gaussian models.
+"""
+
+import contextlib
+import itertools
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.distributions.dirichlet as torch_dirichlet
+import torch.distributions.gamma as torch_gamma
+import torch.distributions.normal as torch_normal
+
+import pyro
+from pyro import poutine
+from pyro.infer import TraceEnum_ELBO
+
+import pyro_tmc
+
+from .generator import Case, Spec
+
+#: relative tolerance of exact comparisons in float32 (values of order 1-100)
+RTOL = 2e-4
+#: documented refusals of a whole case (API.md): "diagonal"/"permutation" with unequal K
+REFUSAL_MESSAGES = ("needs every upstream latent to have the same number",)
+#: errors that pyro_tmc documents as refusals (API.md): the option does not apply to the case
+REFUSALS = (
+    "stl",
+    "dregs",
+    "IWAE_ELBO",
+    "reparameteris",
+    "not reparam",
+    "has_rsample",
+    "equal K",
+    "num_particles=1",
+    "needs every upstream latent to have the same number",
+)
+
+
+@dataclass
+class Check:
+    """One comparison: ``oracle`` (its name), ``what`` was compared, ``expected`` / ``got``."""
+
+    oracle: str
+    what: str
+    ok: bool
+    expected: object = None
+    got: object = None
+    note: str = ""
+
+    @property
+    def refused(self) -> bool:
+        """A documented refusal (API.md) reached by the check: the option does not apply, no failure."""
+        return (
+            not self.ok and isinstance(self.got, str) and any(word in self.got for word in REFUSAL_MESSAGES)
+        )
+
+    def line(self) -> str:
+        return f"{self.oracle}/{self.what}: expected {self.expected} got {self.got} {self.note}".strip()
+
+
+class NotApplicable(Exception):
+    """The oracle does not judge this case."""
+
+
+def close(a: float, b: float, rtol: float = RTOL) -> bool:
+    return math.isfinite(a) and math.isfinite(b) and abs(a - b) <= rtol * (1.0 + abs(b))
+
+
+def _is_refusal(error: Exception) -> bool:
+    return isinstance(error, (NotImplementedError, ValueError)) and any(
+        word in str(error) for word in REFUSALS
+    )
+
+
+# --------------------------------------------------------------------------- #
+# running a loss
+# --------------------------------------------------------------------------- #
+
+
+def tmc_elbo(spec: Spec, loss: str = "TMC_ELBO", **overrides):
+    """The loss named ``loss`` with the case's K, proposal and plate nesting (overridable)."""
+    kwargs = dict(num_samples=spec.options["num_samples"], max_plate_nesting=spec.max_plate_nesting)
+    if loss != "IWAE_ELBO":
+        kwargs["proposal"] = spec.options["proposal"]
+    kwargs.update(overrides)
+    return getattr(pyro_tmc, loss)(**kwargs)
+
+
+@contextlib.contextmanager
+def quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def fresh(case: Case, seed: int = 0):
+    """
+    ``(model, guide)`` built anew on an empty param store, then ``pyro.set_rng_seed(seed)``.
+    An AutoGuide is set up first (its prototype run draws from the model), so that the draws
+    after the seed do not depend on what the model samples at setup.
+    """
+    pyro.clear_param_store()
+    pyro.set_rng_seed(seed)
+    model, guide = case.build()
+    if case.spec.autoguide:
+        with quiet(), poutine.block(), torch.no_grad():
+            guide()
+    pyro.set_rng_seed(seed)
+    return model, guide
+
+
+def run(case: Case, elbo, seed: int = 0, grads: bool = False, repeats: int = 1):
+    """
+    ``(loss, {param name: grad})``: a fresh param store, ``pyro.set_rng_seed(seed)``, the
+    case built anew, then ``differentiable_loss`` (with gradients enabled, as SVI runs it).
+    """
+    model, guide = fresh(case, seed)
+    with quiet():
+        values = []
+        for _ in range(repeats):
+            try:
+                loss = elbo.differentiable_loss(model, guide)
+            except ValueError as error:  # TraceEnum_ELBO with no parameter in the loss refuses it
+                if "cannot be differentiated" not in str(error):
+                    raise
+                loss = torch.tensor(elbo.loss(model, guide))
+
+            values.append(loss)
+        loss = sum(values) / len(values)
+        out = {}
+        if grads:
+            params = dict(pyro.get_param_store().named_parameters())
+            if params and loss.requires_grad:
+                got = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
+                out = {n: (torch.zeros_like(p) if g is None else g) for (n, p), g in zip(params.items(), got)}
+    return loss.item(), out
+
+
+# --------------------------------------------------------------------------- #
+# TraceEnum_ELBO
+# --------------------------------------------------------------------------- #
+
+#: loss options checked against TraceEnum_ELBO (a case draws a few of them)
+ENUM_OPTIONS = ("plain", "max_factor_bytes", "compile", "num_particles", "iwae", "rws", "stl", "dregs")
+
+
+def _enum_twin(case: Case) -> Case:
+    """The same pair with guide-enumerated sites enumerated in the model instead (same value)."""
+    variant = case.variant()
+    for site in variant.spec.sites:
+        if site.treatment == "genum":
+            site.treatment = "enum"
+    return variant
+
+
+def _option_elbo(spec: Spec, option: str):
+    if option == "plain":
+        return tmc_elbo(spec)
+    if option == "max_factor_bytes":
+        return tmc_elbo(spec, max_factor_bytes=spec.options["max_factor_bytes"])
+    if option == "compile":
+        return tmc_elbo(spec, compile="graph")
+    if option == "num_particles":
+        return tmc_elbo(spec, num_particles=2)
+    if option == "iwae":
+        return tmc_elbo(spec, "IWAE_ELBO")
+    if option == "rws":
+        return tmc_elbo(spec, "TMC_RWS")
+    return tmc_elbo(spec, variance_reduction=option)
+
+
+def enum_oracle(case: Case, options=None) -> List[Check]:
+    """TMC equals TraceEnum_ELBO (value, gradients, marginals) when every latent is enumerated or a Delta."""
+    spec = case.spec
+    if spec.family not in ("enum",):
+        raise NotApplicable
+    oracle_case = _enum_twin(case)
+    enum = TraceEnum_ELBO(max_plate_nesting=spec.max_plate_nesting)
+    try:
+        expected, expected_grads = run(oracle_case, enum, grads=True)
+    except ValueError as error:
+        if "common poutine.scale" in str(error):
+            # an observation in a subsampled plate that depends on a global enumerated latent:
+            # TraceEnum_ELBO cannot scale it (TMC can, on the log of each element's sum)
+            raise NotApplicable from error
+        raise
+    checks = []
+    rng = __import__("random").Random(spec.seed)
+    choices = [
+        o for o in ENUM_OPTIONS[1:] if o != "num_particles" or not any(p.subsample_size for p in spec.plates)
+    ]
+    options = options or ["plain"] + rng.sample(choices, 2)  # (num_particles > 1 draws new minibatches)
+    for option in options:
+        try:
+            got, grads = run(case, _option_elbo(spec, option), grads=option not in ("rws",))
+        except Exception as error:  # noqa: BLE001
+            if _is_refusal(error):
+                continue
+            checks.append(
+                Check("enum", f"{option}:value", False, expected, f"{type(error).__name__}: {error}"[:300])
+            )
+            continue
+        checks.append(Check("enum", f"{option}:value", close(got, expected), expected, got))
+        for name, g in grads.items():
+            want = expected_grads.get(name, torch.zeros_like(g))
+            ok = torch.allclose(g, want, rtol=1e-3, atol=1e-3 * (1 + want.abs().max().item()))
+            if not ok:
+                checks.append(Check("enum", f"{option}:grad[{name}]", False, want.tolist(), g.tolist()))
+                break
+        else:
+            if grads:
+                checks.append(Check("enum", f"{option}:grads", True))
+    checks.extend(_enum_marginal_checks(case, oracle_case, enum))
+    return checks
+
+
+def _enum_marginal_checks(case: Case, oracle_case: Case, enum) -> List[Check]:
+    spec = case.spec
+    names = [s.name for s in spec.latents() if s.treatment == "enum" and s.level != "chain"]
+    names = [n for n in names if spec.site(n).kind in ("Categorical", "Bernoulli")]
+    if not names:
+        return []
+    model, guide = fresh(oracle_case)
+    with quiet():
+        try:
+            expected = enum.compute_marginals(model, guide)
+        except Exception:  # noqa: BLE001  (TraceEnum_ELBO does not read this one out)
+            return []
+    model, guide = fresh(case)
+    with quiet():
+        try:
+            got = tmc_elbo(spec).compute_marginals(model, guide)
+        except Exception as error:  # noqa: BLE001
+            return [Check("enum", "marginals", False, "marginals", f"{type(error).__name__}: {error}"[:300])]
+    checks = []
+    for name in names:
+        if name not in expected:
+            continue
+        want = _support_probs(expected[name], spec.site(name).kind)
+        have = _empirical_support_probs(got[name], want.shape[-1])
+        ok = have.shape == want.shape and torch.allclose(have, want, atol=1e-4)
+        checks.append(Check("enum", f"marginal[{name}]", ok, want.tolist(), have.tolist()))
+    return checks
+
+
+def _support_probs(marginal, kind: str) -> torch.Tensor:
+    """P(value = v) for v = 0..C-1, batched over plates (TraceEnum_ELBO's marginal)."""
+    if kind == "Bernoulli":
+        p = marginal.probs
+        return torch.stack([1 - p, p], -1).reshape(-1, 2)
+    return marginal.probs.reshape(-1, marginal.probs.shape[-1])
+
+
+def _empirical_support_probs(empirical, num_values: int) -> torch.Tensor:
+    """The same from TMC's Empirical over the (enumerated) support values."""
+    samples = empirical._samples.reshape(-1, empirical._samples.shape[-1]).long()
+    weights = empirical._log_weights.reshape(samples.shape).softmax(-1)
+    out = torch.zeros(samples.shape[0], num_values, dtype=weights.dtype)
+    return out.scatter_add_(1, samples, weights)
+
+
+# --------------------------------------------------------------------------- #
+# brute force over all particle combinations
+# --------------------------------------------------------------------------- #
+
+
+def _site_names(spec: Spec, site) -> List[str]:
+    if site.level == "chain":
+        return [f"{site.name}_{t}" for t in range(spec.chain.length)]
+    return [site.name]
+
+
+def _plate_shape(spec: Spec, level: str) -> tuple:
+    """The site's value shape over plates, as a model writes it (leading ones dropped)."""
+    if level == "inner":
+        return tuple(p.batch for p in spec.plates)
+    if level == "outer":
+        return (spec.plates[0].batch, 1)
+    return ()
+
+
+def _particles(node: dict, mpn: int, plate_shape: tuple) -> torch.Tensor:
+    """A site's particles as (K,) + plate_shape + event_shape (its own particle dim first)."""
+    value = node["value"].detach()
+    event_dim = node["fn"].event_dim
+    batch_ndim = value.dim() - event_dim
+    dim = node["infer"]["_enumerate_dim"]
+    if batch_ndim < -dim:
+        value = value.reshape((1,) * (-dim - batch_ndim) + value.shape)
+        batch_ndim = -dim
+    value = value.movedim(batch_ndim + dim, 0)
+    event = value.shape[batch_ndim:]
+    rest = value.shape[1:batch_ndim]
+    kept = rest[len(rest) - min(mpn, len(rest)) :]
+    assert all(s == 1 for s in rest[: len(rest) - len(kept)]), f"{node['name']} carries another particle dim"
+    value = value.reshape((value.shape[0],) + tuple(kept) + tuple(event))
+    full = (1,) * (mpn - len(kept))
+    value = value.reshape((value.shape[0],) + full + tuple(kept) + tuple(event))
+    target = (1,) * (mpn - len(plate_shape)) + tuple(plate_shape)
+    value = value.expand((value.shape[0],) + target + tuple(event))
+    return value.reshape((value.shape[0],) + tuple(plate_shape) + tuple(event))
+
+
+def brute_force(case: Case, draw, joint: bool = False) -> dict:
+    """
+    ``{"log_estimate", "marginals"}`` of one draw, by listing every combination: each
+    sampled (site, plate element) takes one of its K particles, each enumerated one a
+    value of its support; the weight is p(x, z) / q(z), with q the guide's density (the
+    prior's for model-only latents, which have no latent parents here). ``joint``: the
+    sampled coordinates share one particle index (IWAE).
+    """
+    spec = case.spec
+    mpn = spec.max_plate_nesting
+    coords = []  # (site name, element index, number of options, sampled?)
+    values = {}  # site name -> (options,) + plate_shape + event
+    kinds = {}
+    for site in spec.latents():
+        for name in _site_names(spec, site):
+            shape = _plate_shape(spec, site.level)
+            if site.treatment == "delta":
+                values[name] = draw.guide_trace.nodes[name]["value"].detach()
+                kinds[name] = "delta"
+                continue
+            trace = draw.guide_trace if site.treatment in ("guide", "genum") else draw.model_trace
+            node = trace.nodes[name]
+            particles = _particles(node, mpn, shape)
+            values[name] = particles
+            sampled = site.treatment in ("guide", "prior")
+            kinds[name] = site.treatment
+            elements = max(1, math.prod(shape))
+            for e in range(elements):
+                coords.append((name, e, particles.shape[0], sampled))
+    sampled_coords = [i for i, c in enumerate(coords) if c[3]]
+    if joint:
+        K = coords[sampled_coords[0]][2] if sampled_coords else 1
+        other = [range(c[2]) if not c[3] else range(1) for c in coords]
+        combos = []
+        for k in range(K):
+            for choice in itertools.product(*other):
+                combos.append([k if coords[i][3] else choice[i] for i in range(len(coords))])
+    else:
+        combos = [list(c) for c in itertools.product(*[range(c[2]) for c in coords])]
+    index = torch.tensor(combos, dtype=torch.long).reshape(len(combos), len(coords))
+    conditioned = {}
+    for name, particles in values.items():
+        if kinds[name] == "delta":
+            conditioned[name] = particles
+            continue
+        columns = [i for i, c in enumerate(coords) if c[0] == name]
+        picks = index[:, columns]  # (C, elements)
+        event = particles.shape[1 + len(_shape_of(particles, name, spec)) :]
+        flat = particles.reshape(particles.shape[0], -1, *event)  # (K, elements, event)
+        chosen = flat[picks, torch.arange(flat.shape[1])]  # (C, elements, event)
+        plate_shape = _shape_of(particles, name, spec)
+        chosen = chosen.reshape((len(combos),) + (1,) * (mpn - len(plate_shape)) + plate_shape + tuple(event))
+        conditioned[name] = chosen
+    log_w = _log_weights(case, conditioned, kinds, mpn, len(combos))
+    log_k = (
+        sum(math.log(coords[i][2]) for i in sampled_coords)
+        if not joint
+        else (math.log(coords[sampled_coords[0]][2]) if sampled_coords else 0.0)
+    )
+    log_estimate = torch.logsumexp(log_w, 0) - log_k
+    posterior = (log_w - torch.logsumexp(log_w, 0)).exp()
+    marginals = {}
+    for i, (name, element, options, _) in enumerate(coords):
+        probs = torch.zeros(options, dtype=posterior.dtype).index_add_(0, index[:, i], posterior)
+        marginals.setdefault(name, []).append(probs)
+    return {
+        "log_estimate": log_estimate.item(),
+        "marginals": {n: torch.stack(v) for n, v in marginals.items()},
+    }
+
+
+def _shape_of(particles, name, spec) -> tuple:
+    base = name.rsplit("_", 1)[0] if spec.chain is not None and name.startswith("h_") else name
+    return _plate_shape(spec, spec.site(base).level)
+
+
+def _log_weights(case: Case, conditioned: dict, kinds: dict, mpn: int, count: int) -> torch.Tensor:
+    """log p(x, z) - log q(z) for every listed combination (a leading batch dim of size ``count``)."""
+    model, guide = case.build()
+    model_trace = poutine.trace(poutine.condition(model, data=conditioned)).get_trace()
+    guide_data = {n: v for n, v in conditioned.items() if kinds[n] in ("guide", "delta", "genum")}
+    guide_trace = poutine.trace(poutine.condition(guide, data=guide_data)).get_trace()
+    model_trace.compute_log_prob()
+    guide_trace.compute_log_prob()
+    total = torch.zeros(count, dtype=torch.get_default_dtype())
+
+    def add(log_prob, sign):
+        nonlocal total
+        lp = log_prob.detach()
+        lp = lp.reshape((1,) * max(0, mpn + 1 - lp.dim()) + lp.shape)
+        if lp.dim() > mpn and lp.shape[0] == count and lp.dim() == mpn + 1:
+            total = total + sign * lp.reshape(count, -1).sum(-1)
+        else:
+            total = total + sign * lp.sum()
+
+    for name, node in model_trace.nodes.items():
+        if node["type"] == "sample" and name != "m":  # m: the irrelevant latent, p/q = 1 (or summed to 1)
+            add(node["log_prob"], 1.0)
+            if kinds.get(name) == "prior":
+                add(node["log_prob"], -1.0)  # the prior is its proposal
+    for name, node in guide_trace.nodes.items():
+        if node["type"] == "sample" and kinds.get(name) == "guide":
+            add(node["log_prob"], -1.0)
+    return total
+
+
+def brute_force_oracle(case: Case) -> List[Check]:
+    """log P_TMC (and IWAE) of one draw, and its marginal weights, against the list of all combinations."""
+    spec = case.spec
+    if spec.family != "brute":
+        raise NotApplicable
+    checks = []
+    for loss in ("TMC_ELBO", "IWAE_ELBO"):
+        elbo = tmc_elbo(spec, loss)
+        model, guide = fresh(case)
+        with quiet(), torch.no_grad():
+            try:
+                draw = elbo.draw(model, guide)
+                got = draw.log_estimate().item()
+            except Exception as error:  # noqa: BLE001
+                if _is_refusal(error):
+                    continue
+                checks.append(
+                    Check(
+                        "brute", f"{loss}:value", False, "a value", f"{type(error).__name__}: {error}"[:300]
+                    )
+                )
+                continue
+        truth = brute_force(case, draw, joint=loss == "IWAE_ELBO")
+        checks.append(
+            Check("brute", f"{loss}:value", close(got, truth["log_estimate"]), truth["log_estimate"], got)
+        )
+        if loss == "TMC_ELBO":
+            checks.extend(_brute_marginal_checks(draw, truth["marginals"]))
+    return checks
+
+
+def _brute_marginal_checks(draw, expected: Dict[str, torch.Tensor]) -> List[Check]:
+    try:
+        with quiet():
+            got = draw.marginals()
+    except Exception as error:  # noqa: BLE001
+        return [Check("brute", "marginals", False, "marginals", f"{type(error).__name__}: {error}"[:300])]
+    checks = []
+    for name, want in expected.items():
+        if name not in got:
+            checks.append(Check("brute", f"marginal[{name}]", False, "a marginal", "missing"))
+            continue
+        log_w = got[name]._log_weights
+        have = log_w.reshape(-1, log_w.shape[-1]).exp()
+        ok = have.shape == want.shape and torch.allclose(have, want.to(have.dtype), atol=1e-4)
+        checks.append(Check("brute", f"marginal[{name}]", ok, want.tolist(), have.tolist()))
+    return checks
+
+
+# --------------------------------------------------------------------------- #
+# scale twins
+# --------------------------------------------------------------------------- #
+
+
+def twin_of(case: Case) -> Case:
+    """The full plate with the same datum in each element: the objective a subsample (or scale) stands for."""
+    twin = case.variant()
+    plate = twin.spec.plates[-1]
+    if twin.spec.plate_scale is not None:
+        plate.size = int(plate.size * twin.spec.plate_scale)
+        twin.spec.plate_scale = None
+    plate.subsample = None
+    plate.subsample_size = None
+    return twin
+
+
+def twin_oracle(case: Case) -> List[Check]:
+    """A subsampled or scaled plate against the full plate holding the same datum in each element."""
+    spec = case.spec
+    if spec.family != "twin":
+        raise NotApplicable
+    twin = twin_of(case)
+    checks = []
+    for loss in ("TMC_ELBO", "IWAE_ELBO"):
+        try:
+            expected, _ = run(twin, tmc_elbo(spec, loss))
+            got, _ = run(case, tmc_elbo(spec, loss))
+        except Exception as error:  # noqa: BLE001
+            if _is_refusal(error):
+                continue
+            checks.append(
+                Check("twin", f"{loss}:value", False, "a value", f"{type(error).__name__}: {error}"[:300])
+            )
+            continue
+        checks.append(Check("twin", f"{loss}:value", close(got, expected), expected, got))
+    return checks
+
+
+# --------------------------------------------------------------------------- #
+# float32 against float64 on identical particles
+# --------------------------------------------------------------------------- #
+
+
+@contextlib.contextmanager
+def float64_randomness():
+    """
+    Every random number drawn in float64 and cast to the working dtype, so that a float32 run
+    draws the particles of the float64 run (up to the cast).
+    """
+    saved = (
+        torch_normal._standard_normal,
+        torch_gamma._standard_gamma,
+        torch_dirichlet._Dirichlet,
+        torch.multinomial,
+        torch.bernoulli,
+        torch.binomial,
+        torch.rand,
+    )
+    normal, gamma, dirichlet, multinomial, bernoulli, binomial, rand = saved
+
+    def rand64(*size, dtype=None, **kwargs):
+        return rand(*size, dtype=torch.float64, **kwargs).to(dtype or torch.get_default_dtype())
+
+    class Dirichlet64:
+        @staticmethod
+        def apply(concentration):
+            return dirichlet.apply(concentration.double()).to(concentration.dtype)
+
+    def cast(fn):
+        def wrapped(probs, *args, **kwargs):
+            if torch.is_tensor(probs) and probs.is_floating_point():
+                out = fn(probs.double(), *args, **kwargs)
+                return out.to(probs.dtype) if out.is_floating_point() else out
+            return fn(probs, *args, **kwargs)
+
+        return wrapped
+
+    def binomial64(count, prob, *args, **kwargs):
+        return binomial(count.double(), prob.double(), *args, **kwargs).to(prob.dtype)
+
+    torch_normal._standard_normal = lambda shape, dtype, device: normal(shape, torch.float64, device).to(
+        dtype
+    )
+    torch_gamma._standard_gamma = lambda c: gamma(c.double()).to(c.dtype)
+    torch_dirichlet._Dirichlet = Dirichlet64
+    torch.multinomial = cast(multinomial)
+    torch.bernoulli = cast(bernoulli)
+    torch.binomial = binomial64
+    torch.rand = rand64
+    try:
+        yield
+    finally:
+        (
+            torch_normal._standard_normal,
+            torch_gamma._standard_gamma,
+            torch_dirichlet._Dirichlet,
+            torch.multinomial,
+            torch.bernoulli,
+            torch.binomial,
+            torch.rand,
+        ) = saved
+
+
+@contextlib.contextmanager
+def default_dtype(dtype):
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(saved)
+
+
+def dtype_oracle(case: Case, rtol: float = 1e-3) -> List[Check]:
+    """float32 and float64 give the same value on the same particles."""
+    spec = case.spec
+    values = {}
+    with float64_randomness():
+        for dtype in (torch.float64, torch.float32):
+            with default_dtype(dtype):
+                try:
+                    values[dtype], _ = run(case, tmc_elbo(spec))
+                except Exception as error:  # noqa: BLE001
+                    values[dtype] = f"{type(error).__name__}: {str(error)[:200]}"
+    v64, v32 = values[torch.float64], values[torch.float32]
+    if isinstance(v64, str):
+        return [Check("dtype", "float64 runs", False, "a value", v64)]
+    if isinstance(v32, str):
+        return [Check("dtype", "float32", False, v64, v32)]
+    return [Check("dtype", "float32 vs float64", close(v32, v64, rtol), v64, v32)]
+
+
+# --------------------------------------------------------------------------- #
+# invariances
+# --------------------------------------------------------------------------- #
+
+
+def _same_value(
+    name: str, case: Case, reference: float, make: Callable, other: Optional[Case] = None
+) -> Check:
+    try:
+        got, _ = run(other or case, make())
+    except Exception as error:  # noqa: BLE001
+        if _is_refusal(error):
+            return None
+        return Check("invariance", name, False, reference, f"{type(error).__name__}: {str(error)[:300]}")
+    return Check("invariance", name, close(got, reference), reference, got)
+
+
+def _later_prior_sites(spec: Spec) -> bool:
+    """Whether a latent drawn from its prior comes after the irrelevant latent (then draws shift)."""
+    return any(s.treatment == "prior" and s.level in ("chain", "after") for s in spec.sites)
+
+
+def invariance_oracle(case: Case, which=None) -> List[Check]:
+    """The value of one draw (same seed) under options and rewritings that must not change it."""
+    spec = case.spec
+    try:
+        reference, _ = run(case, tmc_elbo(spec))
+    except Exception as error:  # noqa: BLE001
+        return [Check("invariance", "runs", False, "a value", f"{type(error).__name__}: {str(error)[:300]}")]
+    rng = __import__("random").Random(spec.seed + 1)
+    which = which or ["stl", "dregs", "rws", "max_factor_bytes", "markov", "irrelevant", "num_particles"]
+    if rng.random() < 0.1 and "compile" not in which:
+        which = which + ["compile"]
+    checks = []
+    for option in which:
+        if option in ("stl", "dregs"):
+            checks.append(
+                _same_value(
+                    f"variance_reduction={option}",
+                    case,
+                    reference,
+                    lambda: tmc_elbo(spec, variance_reduction=option),
+                )
+            )
+        elif option == "rws":
+            checks.append(_same_value("TMC_RWS", case, reference, lambda: tmc_elbo(spec, "TMC_RWS")))
+        elif option == "max_factor_bytes":
+            budget = spec.options["max_factor_bytes"]
+            checks.append(
+                _same_value(
+                    f"max_factor_bytes={budget}",
+                    case,
+                    reference,
+                    lambda: tmc_elbo(spec, max_factor_bytes=budget),
+                )
+            )
+        elif option == "compile":
+            checks.append(
+                _same_value("compile=graph", case, reference, lambda: tmc_elbo(spec, compile="graph"))
+            )
+        elif option == "num_particles":
+            try:
+                two, _ = run(case, tmc_elbo(spec), repeats=2)
+            except Exception as error:  # noqa: BLE001
+                checks.append(Check("invariance", "num_particles", False, "a value", f"{error}"[:300]))
+                continue
+            checks.append(_same_value("num_particles=2", case, two, lambda: tmc_elbo(spec, num_particles=2)))
+        elif option == "markov" and spec.chain is not None:
+            for mm, gm in ((True, True), (False, False), (True, False), (False, True)):
+                if (mm, gm) == (spec.chain.markov_model, spec.chain.markov_guide):
+                    continue
+                other = case.variant()
+                other.spec.chain.markov_model, other.spec.chain.markov_guide = mm, gm
+                checks.append(
+                    _same_value(
+                        f"markov(model={mm},guide={gm})", case, reference, lambda: tmc_elbo(spec), other
+                    )
+                )
+        elif option == "irrelevant" and spec.chain is not None and not _later_prior_sites(spec):
+            for kind in ("prior", "enum", "plate", None):
+                if kind == spec.irrelevant:
+                    continue
+                other = case.variant(irrelevant=kind)
+                if other.spec.max_plate_nesting != spec.max_plate_nesting:
+                    continue
+                checks.append(
+                    _same_value(
+                        f"irrelevant latent {kind} (case has {spec.irrelevant})",
+                        case,
+                        reference,
+                        lambda: tmc_elbo(spec),
+                        other,
+                    )
+                )
+    return [c for c in checks if c is not None]
+
+
+# --------------------------------------------------------------------------- #
+# read-outs
+# --------------------------------------------------------------------------- #
+
+
+def readout_oracle(case: Case) -> List[Check]:
+    """Marginal weights sum to one per plate element; posterior draws have the plates' shapes."""
+    spec = case.spec
+    model, guide = fresh(case)
+    elbo = tmc_elbo(spec)
+    checks = []
+    try:
+        with quiet():
+            marginals = elbo.compute_marginals(model, guide)
+    except Exception as error:  # noqa: BLE001
+        return [
+            Check(
+                "readout",
+                "compute_marginals",
+                False,
+                "marginals",
+                f"{type(error).__name__}: {str(error)[:300]}",
+            )
+        ]
+    for name, marginal in marginals.items():
+        total = marginal._log_weights.logsumexp(-1).exp()
+        ok = bool(torch.allclose(total, torch.ones_like(total), atol=1e-4))
+        if not ok:
+            checks.append(Check("readout", f"marginal weights sum[{name}]", False, 1.0, total.tolist()))
+    if not [c for c in checks if not c.ok]:
+        checks.append(Check("readout", "marginal weights sum to 1", True))
+    try:
+        with quiet():
+            draws = elbo.sample_posterior(model, guide, num_draws=3)
+    except Exception as error:  # noqa: BLE001
+        checks.append(
+            Check(
+                "readout", "sample_posterior", False, "draws", f"{type(error).__name__}: {str(error)[:300]}"
+            )
+        )
+        return checks
+    for name, value in draws.items():
+        if value.shape[0] != 3 or not torch.isfinite(value.double()).all():
+            checks.append(
+                Check("readout", f"sample_posterior[{name}]", False, "3 finite draws", tuple(value.shape))
+            )
+            break
+    else:
+        checks.append(Check("readout", "sample_posterior shapes", True))
+    return checks
+
+
+# --------------------------------------------------------------------------- #
+# unbiasedness on linear-Gaussian models
+# --------------------------------------------------------------------------- #
+
+
+def gaussian_log_evidence(spec: Spec) -> float:
+    """
+    Exact log p(x) of a linear-Gaussian spec: every variable is an affine function of
+    independent standard normals (one per latent or observed element), so x is Gaussian.
+    """
+    source_data = _observed_values(spec)
+    rows = {}  # (name, element) -> (mean, loading vector as dict)
+    counter = itertools.count()
+
+    def new(mean, loading, sd):
+        loading = dict(loading)
+        loading[next(counter)] = sd
+        return mean, loading
+
+    def combine(terms, bias):
+        mean, loading = bias, {}
+        for coef, (m, row) in terms:
+            mean += coef * m
+            for k, v in row.items():
+                loading[k] = loading.get(k, 0.0) + coef * v
+        return mean, loading
+
+    def element_keys(level):
+        shape = _plate_shape(spec, level)
+        return list(itertools.product(*[range(s) for s in shape])) if shape else [()]
+
+    def parent_row(parent_name, key):
+        parent = spec.site(parent_name)
+        if parent.level == "global":
+            return rows[(parent_name, ())]
+        if parent.level == "outer":
+            return rows[(parent_name, (key[0], 0))]
+        return rows[(parent_name, key)]
+
+    for site in spec.sites:
+        n = site.numbers
+        if site.level in ("global", "inner", "outer"):
+            for key in element_keys(site.level):
+                terms = [(spec.site(p).numbers["coef"], parent_row(p, key)) for p in site.parents]
+                mean, loading = combine(terms, n["bias"])
+                rows[(site.name, key)] = new(mean, loading, n["sd"])
+        elif site.name == "h":
+            for t in range(spec.chain.length):
+                terms = []
+                if t >= 1:
+                    terms.append((n["c1"], rows[("h", (t - 1,))]))
+                if t >= 2 and "prev2" in site.parents:
+                    terms.append((n["c2"], rows[("h", (t - 2,))]))
+                for p in site.parents:
+                    if p not in ("prev1", "prev2"):
+                        terms.append((spec.site(p).numbers["coef"], rows[(p, ())]))
+                mean, loading = combine(terms, n["bias"])
+                rows[("h", (t,))] = new(mean, loading, n["sd"])
+        elif site.name == "y":
+            for t in range(spec.chain.length):
+                h = spec.site("h").numbers["coef"]
+                mean, loading = combine([(h, rows[("h", (t,))])], n["bias"])
+                rows[("y", (t,))] = new(mean, loading, n["sd"])
+        elif site.level == "after":
+            parent = site.parents[0]
+            key = (spec.chain.length - 1,) if parent == "h" else ()
+            mean, loading = combine([(spec.site(parent).numbers["coef"], rows[(parent, key)])], n["bias"])
+            rows[(site.name, ())] = new(mean, loading, n["sd"])
+    observed = [(k, v) for k, v in rows.items() if spec.site(k[0]).observed]
+    size = next(counter)
+    means = torch.tensor([m for _, (m, _) in observed], dtype=torch.float64)
+    loadings = torch.zeros(len(observed), size, dtype=torch.float64)
+    for i, (_, (_, loading)) in enumerate(observed):
+        for k, v in loading.items():
+            loadings[i, k] = v
+    x = torch.tensor([source_data[k] for k, _ in observed], dtype=torch.float64)
+    cov = loadings @ loadings.T
+    return torch.distributions.MultivariateNormal(means, cov).log_prob(x).item()
+
+
+def _observed_values(spec: Spec) -> dict:
+    """(name, element) -> observed value, read from the rendered source's data."""
+    with default_dtype(torch.float64):
+        namespace = {}
+        exec(compile(Case(spec).source, "<gauss>", "exec"), namespace)
+    out = {}
+    for site in spec.sites:
+        if not site.observed:
+            continue
+        if site.level == "chain":
+            data = namespace[f"Y_{site.name.upper()}"]
+            for t in range(spec.chain.length):
+                out[(site.name, (t,))] = data[t].item()
+            continue
+        data = namespace[f"X_{site.name.upper()}"]
+        if site.level == "global" or site.level == "after":
+            out[(site.name, ())] = data.item()
+            continue
+        shape = _plate_shape(spec, site.level)
+        data = data.reshape(shape)
+        for key in itertools.product(*[range(s) for s in shape]):
+            out[(site.name, key)] = data[key].item()
+    return out
+
+
+def unbiasedness_oracle(case: Case, draws: int = 300) -> List[Check]:
+    """The mean of P_TMC / p(x) over independent draws is 1 within 5 measured standard errors."""
+    spec = case.spec
+    if spec.family != "gauss":
+        raise NotApplicable
+    log_p = gaussian_log_evidence(spec)
+    checks = []
+    with default_dtype(torch.float64):
+        for loss in ("TMC_ELBO",):
+            model, guide = fresh(case, spec.seed)
+            elbo = tmc_elbo(spec, loss)
+            ratios = torch.zeros(0, dtype=torch.float64)
+            for _ in range(2):  # a second, larger batch before a failure is reported (r is right-skewed)
+                with quiet():
+                    more = [(elbo.log_evidence(model, guide) - log_p).exp() for _ in range(draws)]
+                ratios = torch.cat([ratios, torch.stack(more)])
+                mean = ratios.mean().item()
+                se = (ratios.std() / math.sqrt(len(ratios))).item()
+                ok = abs(mean - 1.0) < 5 * se + 0.02
+                if ok:
+                    break
+                draws *= 4
+            checks.append(Check("unbiased", f"{loss}: mean P/p(x)", ok, 1.0, f"{mean:.4f} +- {se:.4f}"))
+    return checks
+
+
+ORACLES: Dict[str, Callable] = {
+    "enum": enum_oracle,
+    "brute": brute_force_oracle,
+    "twin": twin_oracle,
+    "dtype": dtype_oracle,
+    "invariance": invariance_oracle,
+    "readout": readout_oracle,
+    "unbiased": unbiasedness_oracle,
+}
+
+#: which oracles judge each family
+FAMILY_ORACLES = {
+    "enum": ("enum", "readout", "dtype"),
+    "brute": ("brute", "invariance"),
+    "twin": ("twin", "dtype"),
+    "general": ("dtype", "invariance", "readout"),
+    "gauss": ("unbiased",),
+}
+
+
+def check_case(case: Case, oracles=None) -> List[Check]:
+    """Every applicable oracle's checks on a case; a crash of the library counts as a failed check."""
+    names = oracles or FAMILY_ORACLES[case.spec.family]
+    checks = []
+    for name in names:
+        try:
+            checks.extend(ORACLES[name](case))
+        except NotApplicable:
+            continue
+        except Exception as error:  # noqa: BLE001  (a crash of an oracle's own code is reported too)
+            checks.append(
+                Check(
+                    name,
+                    "oracle crashed",
+                    False,
+                    "no exception",
+                    f"{type(error).__name__}: {str(error)[:300]}",
+                )
+            )
+    return checks

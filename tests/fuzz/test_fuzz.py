@@ -1,0 +1,125 @@
+"""The model fuzzer in CI: random valid model/guide pairs (:mod:`generator`) judged by exact
+oracles (:mod:`oracles`).
+
+``PYRO_TMC_FUZZ_CASES`` (default 200) sets how many seeds run, ``PYRO_TMC_FUZZ_SEED`` (default 0)
+the first one. A failing case prints its model and guide as Pyro code, with the seed that
+reproduces it (``python -m tests.fuzz --show SEED --family FAMILY``). Thousands of cases:
+``python -m tests.fuzz --cases 5000 --seed 0``.
+
+A failure of a defect that is known and open is listed in :data:`KNOWN_FAILURES` (a named
+feature -> a predicate on the failed check and the defect it is), and marks its case
+``xfail`` (not strict) until the fix lands; remove the entry then.
+"""
+
+import os
+from typing import Callable, Dict, Tuple
+
+import pytest
+import torch
+
+from .generator import FAMILIES, features_of, make_case
+from .oracles import Check, check_case
+
+NUM_CASES = int(os.environ.get("PYRO_TMC_FUZZ_CASES", "200"))
+FIRST_SEED = int(os.environ.get("PYRO_TMC_FUZZ_SEED", "0"))
+
+#: known open defects: name -> (does this failed check belong to it?, what the defect is)
+KNOWN_FAILURES: Dict[str, Tuple[Callable[[object, Check], bool], str]] = {
+    "compile_graph_unit_plate": (
+        lambda case, check: "plate_to_symbol" in str(check.got),
+        "compile='graph' with a plate of one element (sub)sampled: AttributeError "
+        "'_TraceView' object has no attribute 'plate_to_symbol' (factors._keep_scaled_unit_plates, "
+        "reached from compiled.estimate); found by the fuzzer against the F1 fix in progress",
+    ),
+}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny tensors: one thread avoids thread-pool stalls on shared CI cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def known_defect(case, failures) -> str:
+    """The names of the known defects that explain every failure, or '' if one is unexplained."""
+    names = set()
+    for check in failures:
+        matches = [name for name, (belongs, _) in KNOWN_FAILURES.items() if belongs(case, check)]
+        if not matches:
+            return ""
+        names.update(matches)
+    return ", ".join(sorted(names))
+
+
+@pytest.mark.parametrize("seed", range(FIRST_SEED, FIRST_SEED + NUM_CASES))
+def test_fuzz_case(seed):
+    case = make_case(seed)
+    checks = check_case(case)
+    failures = [c for c in checks if not c.ok and not c.refused]
+    if not failures:
+        return
+    known = known_defect(case, failures)
+    if known:
+        pytest.xfail(f"known open defect: {known}")
+    lines = "\n".join(c.line()[:600] for c in failures)
+    pytest.fail(
+        f"fuzz case seed={seed} family={case.spec.family} failed "
+        f"(python -m tests.fuzz --show {seed} --family {case.spec.family}):\n{lines}\n\n{case.describe()}"
+    )
+
+
+def test_cases_are_reproducible():
+    """A seed gives the same source every time, with or without naming its family."""
+    for seed in range(20):
+        case = make_case(seed)
+        assert case.source == make_case(seed).source
+        assert case.source == make_case(seed, case.spec.family).source
+
+
+#: what the CI seeds must cover between them (the features that found F1-F6)
+REQUIRED_FEATURES = {
+    *(f"family:{f}" for f in FAMILIES),
+    *(
+        f"site:{k}"
+        for k in ("Categorical", "Bernoulli", "Binomial", "OneHotCategorical", "Normal", "Gamma", "Dirichlet")
+    ),
+    "plate:nested",
+    "plate:subsample_size",
+    "plate:subsample_indices",
+    "plate:batch1",
+    "markov:history1",
+    "markov:history2",
+    "markov:latent_after_loop",
+    "markov:guide_only",
+    "mask",
+    "scale:plate",
+    "scale:model",
+    "factor",
+    "vindex",
+    "guide:delta",
+    "guide:AutoDelta",
+    "guide:AutoNormal",
+    "guide:AutoMultivariateNormal",
+    "guide:nonfact",
+    "guide:genum",
+    "guide:prior",
+    "guide:enum",
+    "proposal:mixture",
+    "proposal:permutation",
+    "proposal:diagonal",
+    "irrelevant:prior",
+    "irrelevant:enum",
+    "irrelevant:plate",
+    "stiff",
+}
+
+
+def test_ci_seeds_cover_the_features():
+    """The generator reaches every feature listed in the issue within the CI seeds (or 400)."""
+    seen = set()
+    for seed in range(FIRST_SEED, FIRST_SEED + max(NUM_CASES, 400)):
+        seen |= features_of(make_case(seed).spec)
+    assert REQUIRED_FEATURES <= seen, sorted(REQUIRED_FEATURES - seen)
