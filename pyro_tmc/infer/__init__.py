@@ -1,7 +1,14 @@
 """Losses and read-outs built on the TMC contraction."""
 
 from .iwae_elbo import IWAE_ELBO
+from .predictive import PredictiveLogLikelihood, predictive_log_likelihood
 from .rws import TMC_RWS
 from .tmc_elbo import TMC_ELBO
 
-__all__ = ["IWAE_ELBO", "TMC_ELBO", "TMC_RWS"]
+__all__ = [
+    "IWAE_ELBO",
+    "PredictiveLogLikelihood",
+    "TMC_ELBO",
+    "TMC_RWS",
+    "predictive_log_likelihood",
+]
