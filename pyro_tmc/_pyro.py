@@ -7,20 +7,43 @@ symbol, on a Pyro version that lacks one. When Pyro changes, this file (and the
 test) is where it shows.
 """
 
-from typing import List
+from typing import Callable, Collection, List, Tuple
 
 import pyro
 from pyro.infer.elbo import ELBO
 from pyro.ops.rings import LogRing
 from pyro.poutine.enum_messenger import EnumMessenger
+from pyro.poutine.handlers import _make_handler
+from pyro.poutine.runtime import _ENUM_ALLOCATOR
 
-# Builds ``tmc(fn=None, ...)`` from TMCMessenger the way Pyro builds its own
-# handlers (decorator and context-manager forms, the messenger's docstring).
-from pyro.poutine.handlers import _make_handler  # noqa: F401
 
-# The global enumeration-dim allocator: particle dims are allocated through it
-# so that pyro.markov recycles them exactly as it recycles enumeration dims.
-from pyro.poutine.runtime import _ENUM_ALLOCATOR  # noqa: F401
+def make_handler(messenger_class: type, module: str) -> Callable:
+    """
+    A decorator that builds a handler (``tmc(fn=None, ...)``, decorator and
+    context-manager forms, the messenger's docstring) from a messenger class,
+    the way Pyro builds its own.
+    """
+    return _make_handler(messenger_class, module=module)
+
+
+def allocate_particle_dim(avoid: Collection[int], recyclable: bool) -> Tuple[int, int]:
+    """
+    A ``(dim, id)`` for a site's particles from Pyro's global enumeration-dim
+    allocator, so that :func:`pyro.markov` recycles particle dims exactly as it
+    recycles enumeration dims.
+
+    :param avoid: dims the new dim must not be (those in the site's scope, and
+        any the caller reserves).
+    :param bool recyclable: a local dim that a later site out of this one's
+        scope may reuse (inside ``pyro.markov``), or else a global dim that is
+        never reused; a global dim also skips every dim in ``avoid``.
+    """
+    if recyclable:
+        return _ENUM_ALLOCATOR.allocate(set(avoid))
+    while _ENUM_ALLOCATOR.next_available_dim in avoid:
+        _ENUM_ALLOCATOR.next_available_dim -= 1
+    return _ENUM_ALLOCATOR.allocate(None)
+
 
 #: EnumMessenger's bookkeeping that TMCMessenger reads after delegating to it:
 #: the dims visible to each site (upstream particles) and those its value carries.
@@ -29,9 +52,6 @@ ENUM_MESSENGER_STATE = ("_param_dims", "_value_dims", "_markov_depths")
 #: Keys of ``site["infer"]`` that EnumMessenger, pyro.markov and Trace.symbolize_dims
 #: read and write: a site's particle dim, the dims it carries, its markov scope.
 INFER_KEYS = ("_enumerate_dim", "_dim_to_id", "_dim_to_symbol", "_markov_scope", "_markov_depth")
-
-#: The attribute pyro.ops.packed and pyro.ops.contract use to name a packed tensor's dims.
-PACKED_DIMS = "_pyro_dims"
 
 #: Protected ELBO methods a subclass uses: guessing max_plate_nesting, and
 #: vectorising num_particles, as Pyro's own ELBOs do.

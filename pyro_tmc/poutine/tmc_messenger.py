@@ -16,7 +16,7 @@ from pyro.distributions.torch_distribution import (
 from pyro.poutine.enum_messenger import EnumMessenger
 from pyro.poutine.runtime import Message
 
-from .._pyro import _ENUM_ALLOCATOR, _make_handler
+from .._pyro import allocate_particle_dim, make_handler
 from ..proposals import draw_joint_particles, draw_particles, get_proposal
 
 #: PyTorch tensors hold at most this many dims; particle dims beyond it cannot exist.
@@ -98,6 +98,7 @@ def warn_summed_in_parallel(name: str) -> None:
         "along a dim of its own, so the code that reads it must broadcast (no Python control flow "
         "or .item() on it). Mark it infer={'enumerate': 'parallel'} to silence this warning.",
         UserWarning,
+        stacklevel=2,
     )
 
 
@@ -273,13 +274,9 @@ class TMCMessenger(EnumMessenger):
         the dim of a latent of an exited markov loop, merging the two.
         """
         scope = msg["infer"].get("_markov_scope")
-        if scope is not None:
-            target_dim, id_ = _ENUM_ALLOCATOR.allocate(set(param_dims) | self.reserved_dims)
-        else:
-            taken = self.reserved_dims.union(param_dims)
-            while _ENUM_ALLOCATOR.next_available_dim in taken:
-                _ENUM_ALLOCATOR.next_available_dim -= 1
-            target_dim, id_ = _ENUM_ALLOCATOR.allocate(None)
+        target_dim, id_ = allocate_particle_dim(
+            self.reserved_dims.union(param_dims), recyclable=scope is not None
+        )
         if -target_dim > MAX_TENSOR_DIMS:
             raise ValueError(
                 f"Site '{msg['name']}' needs particle dim {target_dim}, but a tensor holds at most "
@@ -364,7 +361,7 @@ def _enumerate_support(fn, target_dim: int) -> torch.Tensor:
     return value
 
 
-@_make_handler(TMCMessenger, module="pyro_tmc.poutine")
+@make_handler(TMCMessenger, module="pyro_tmc.poutine")
 def tmc(  # type: ignore[empty-body]
     fn: Optional[Callable] = None,
     num_samples: int = 8,
