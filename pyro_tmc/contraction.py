@@ -17,6 +17,7 @@ are summed inside the plate. We scale at the plate product, where the
 scaling belongs.
 """
 
+import functools
 import math
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
@@ -491,17 +492,29 @@ def reduce_chains(factors: List[torch.Tensor], plates: frozenset) -> List[torch.
         batch = sorted(plate_set)
         count = len(nodes) - 1
         link_items = [(j, i) for j in range(count) for i in pairs[frozenset(nodes[j : j + 2])]]
-        links = _gather_rows(factors, link_items, count, lambda j: batch + nodes[j : j + 2], sizes)
+        links = _gather_rows(factors, link_items, count, functools.partial(_link_dims, batch, nodes), sizes)
         # a link z_j -> z_{j+1} takes the unary factors of z_{j+1} when that dim is inner
         unary_items = [(j, i) for j in range(count - 1) for i in unary[nodes[j + 1]]]
         if unary_items:
-            rows = _gather_rows(factors, unary_items, count, lambda j: batch + [nodes[j + 1]], sizes)
+            rows = _gather_rows(
+                factors, unary_items, count, functools.partial(_head_dims, batch, nodes), sizes
+            )
             links = links + rows.unsqueeze(-2)  # a new tensor: links may be a view of the densities
         product = sequential_log_matmul_exp(links.movedim(0, -3))  # (plates..., links, K, K)
         product._pyro_dims = "".join(batch) + nodes[0] + nodes[-1]
         products.append(product)
         replaced.update(i for _, i in link_items + unary_items)
     return [t for i, t in enumerate(factors) if i not in replaced] + products
+
+
+def _link_dims(batch: List[str], nodes: List[str], j: int) -> List[str]:
+    """The dims of link ``j`` of a chain over ``nodes``: its plates, then ``z_j, z_{j+1}``."""
+    return batch + nodes[j : j + 2]
+
+
+def _head_dims(batch: List[str], nodes: List[str], j: int) -> List[str]:
+    """The dims of the unary factors that link ``j`` takes: its plates, then ``z_{j+1}``."""
+    return batch + [nodes[j + 1]]
 
 
 def _gather_rows(

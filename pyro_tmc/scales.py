@@ -111,29 +111,47 @@ def plan_scales(model_trace: Trace, guide_trace: Trace) -> ScalePlan:
     if everything is not None:  # one scale for the whole model: outside the log of the sum
         plan.root = everything
         return plan
-    groups: Dict[FrozenSet[str], List[Tuple[str, Tuple[str, ...], float]]] = defaultdict(list)
+    factor = _plate_factors(plan, sites)
+    for symbol, f in factor.items():
+        plan.plate_scales[symbol] = plan.plate_scales.get(symbol, 1.0) * f
+    return plan
+
+
+ScaledSite = Tuple[str, Tuple[str, ...], float]
+
+
+def _plate_factors(plan: ScalePlan, sites: List[ScaledSite]) -> Dict[str, float]:
+    """
+    Each plate's share of the sites' scales, read from the outermost plates in:
+    the common scale of the sites in exactly the plates P, beyond what the root
+    and P's outer plates carry, goes to P's innermost plate not yet scaled.
+    Sets ``plan.root`` from the sites outside every plate, and ``plan.residual``
+    for the sites whose scale is not carried whole.
+    """
+    groups: Dict[FrozenSet[str], List[ScaledSite]] = defaultdict(list)
     for item in sites:
         groups[frozenset(item[1])].append(item)
     factor: Dict[str, float] = {}
     for plates in sorted(groups, key=len):
         group = groups[plates]
         ordered = group[0][1]
-        carried = [plan.root] + [factor.get(p, 1.0) for p in ordered]
-        known = math.prod(carried) if plates else 1.0
-        new = [p for p in ordered if p not in factor]
+        known = plan.root * math.prod(factor.get(p, 1.0) for p in ordered) if plates else 1.0
         common = _common([s / known for _, _, s in group])
         if not plates and common is not None:
             plan.root = common
             continue
+        new = [p for p in ordered if p not in factor]
         if new and common is not None:
+            factor.update({p: 1.0 for p in new[:-1]})
             factor[new[-1]] = common  # the innermost plate not yet scaled
-            for p in new[:-1]:
-                factor[p] = 1.0
-        for name, site_plates, s in group:
-            carried = plan.root * math.prod(factor.get(p, 1.0) for p in site_plates)
-            remainder = s / carried
-            if not math.isclose(remainder, 1.0, rel_tol=1e-6):
-                plan.residual[name] = remainder
-    for symbol, f in factor.items():
-        plan.plate_scales[symbol] = plan.plate_scales.get(symbol, 1.0) * f
-    return plan
+        _record_residuals(plan, factor, group)
+    return factor
+
+
+def _record_residuals(plan: ScalePlan, factor: Dict[str, float], group: List[ScaledSite]) -> None:
+    """The scale left on each site's own factor, beyond what the root and its plates carry."""
+    for name, site_plates, s in group:
+        carried = plan.root * math.prod(factor.get(p, 1.0) for p in site_plates)
+        remainder = s / carried
+        if not math.isclose(remainder, 1.0, rel_tol=1e-6):
+            plan.residual[name] = remainder

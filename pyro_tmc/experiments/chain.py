@@ -11,6 +11,7 @@ the ancestors picked by the ``proposal`` strategy of :class:`~pyro_tmc.TMC_ELBO`
 """
 
 import argparse
+import functools
 import math
 from typing import Dict, List, Sequence
 
@@ -60,13 +61,16 @@ def estimators(num_samples: int) -> Dict[str, tuple]:
     }
 
 
+def _log_evidence(elbo, guide, x: torch.Tensor, length: int) -> float:
+    return elbo.log_evidence(model, guide, x, length).item()
+
+
 def sweep(x: torch.Tensor, length: int, ks: Sequence[int], repeats: int) -> List[Dict]:
     rows = []
     for k in tqdm(ks, desc="chain: sweep over K"):
         for method, (elbo, guide) in estimators(k).items():
-            result = report.timed_draws(
-                lambda: elbo.log_evidence(model, guide, x, length).item(), repeats, x.device
-            )
+            draw = functools.partial(_log_evidence, elbo, guide, x, length)
+            result = report.timed_draws(draw, repeats, x.device)
             rows.append(dict(method=method, K=k, **result))
     return rows
 
