@@ -134,6 +134,67 @@ def test_f4_continuous_chunked_factors_match_unbudgeted(model, guide, unbudgeted
             assert torch.allclose(grad, expected_grad, atol=1e-5)
 
 
+def nested_plates_model(x):
+    g = pyro.sample("g", dist.Normal(0.0, 1.0))
+    with pyro.plate("A", x.shape[0], dim=-2):
+        z = pyro.sample("z", dist.Normal(g, 1.0))
+        with pyro.plate("B", x.shape[1], dim=-1):
+            w = pyro.sample("w", dist.Normal(z, 1.0))
+            pyro.sample("x", dist.Normal(w, 1.0), obs=x)
+
+
+def nested_plates_guide(x):
+    g = pyro.sample("g", dist.Normal(pyro.param("m", torch.tensor(0.3)), 1.0))
+    with pyro.plate("A", x.shape[0], dim=-2):
+        z = pyro.sample("z", dist.Normal(0.5 * g, 1.0))
+        with pyro.plate("B", x.shape[1], dim=-1):
+            pyro.sample("w", dist.Normal(z + pyro.param("shift", torch.zeros(x.shape)), 1.5))
+
+
+def test_chunked_nested_plates_match_unbudgeted():
+    """Chunked factors in nested plates (g; z | g in A; w | z in A x B): unbudgeted value, gradients."""
+    x = torch.randn(3, 2, generator=torch.Generator().manual_seed(0))
+    results = []
+    for budget in [None, 256, 64, 16]:
+        pyro.set_rng_seed(1)
+        elbo = TMC_ELBO(5, max_plate_nesting=2, max_factor_bytes=budget)
+        pyro.clear_param_store()
+        loss = elbo.differentiable_loss(nested_plates_model, nested_plates_guide, x)
+        params = [pyro.param(name).unconstrained() for name in ("m", "shift")]
+        results.append((loss.detach(), torch.autograd.grad(loss, params)))
+    (expected, expected_grads), *budgeted = results
+    for loss, grads in budgeted:
+        assert torch.allclose(loss, expected, atol=1e-5)
+        for grad, expected_grad in zip(grads, expected_grads):
+            assert torch.allclose(grad, expected_grad, atol=1e-5)
+
+
+def enumerated_chain_model():
+    trans = pyro.param(
+        "trans",
+        torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.7, 0.2], [0.3, 0.3, 0.4]]),
+        constraint=dist.constraints.simplex,
+    )
+    locs = pyro.param("chain_locs", torch.tensor([-1.0, 0.0, 2.0]))
+    state = 0
+    for t in pyro.markov(range(6)):
+        state = pyro.sample(f"s_{t}", dist.Categorical(Vindex(trans)[..., state, :]), infer=ENUM)
+        pyro.sample(f"y_{t}", dist.Normal(Vindex(locs)[..., state], 1.0), obs=torch.tensor(t % 3 - 1.0))
+
+
+@pytest.mark.parametrize("max_factor_bytes", [64, 16])
+def test_chunked_enumerated_chain_matches_traceenum(max_factor_bytes):
+    """A pyro.markov chain of enumerated states, transitions chunked: TraceEnum_ELBO's value, gradients."""
+    expected, expected_grads = _loss_and_grads(
+        TraceEnum_ELBO(max_plate_nesting=0), enumerated_chain_model, empty_guide
+    )
+    elbo = TMC_ELBO(max_plate_nesting=0, max_factor_bytes=max_factor_bytes)
+    loss, grads = _loss_and_grads(elbo, enumerated_chain_model, empty_guide)
+    assert torch.allclose(loss, expected, atol=1e-5)
+    for grad, expected_grad in zip(grads, expected_grads):
+        assert torch.allclose(grad, expected_grad, atol=1e-5)
+
+
 # -- F5: a chunked contraction's peak memory stays below the unchunked one ----------------------
 
 # Each configuration runs in one child process, with glibc's malloc returning every block of
