@@ -692,6 +692,23 @@ def _plate_symbols(site, trace: Trace) -> frozenset:
     return frozenset(trace.plate_to_symbol[f.name] for f in site["cond_indep_stack"] if f.vectorized)
 
 
+def _non_finite(term: Union[torch.Tensor, ChunkedFactor]) -> tuple:
+    """
+    Whether a factor holds a NaN, holds +inf, and is -inf everywhere; a chunked
+    factor is read slice by slice (whole, it may not fit in memory).
+    """
+    pieces = [term] if isinstance(term, torch.Tensor) else (term.compute(a, b) for a, b in term.ranges())
+    has_nan = has_posinf = False
+    all_neginf, numel = True, 0
+    with torch.no_grad():
+        for piece in pieces:
+            has_nan = has_nan or bool(torch.isnan(piece).any())
+            has_posinf = has_posinf or bool(torch.isposinf(piece).any())
+            all_neginf = all_neginf and bool((piece == -math.inf).all())
+            numel += piece.numel()
+    return has_nan, has_posinf, all_neginf and numel > 0
+
+
 def check_finite(
     factors: List[LogFactor], estimate: torch.Tensor, model_trace: Optional[Trace] = None
 ) -> None:
@@ -704,10 +721,8 @@ def check_finite(
     if torch.isfinite(estimate).all():
         return
     for site, tensor in factors:
-        if isinstance(tensor, ChunkedFactor):
-            tensor = tensor.materialise()
-        tensor = tensor.detach()
-        if torch.isnan(tensor).any():
+        has_nan, has_posinf, all_neginf = _non_finite(tensor)
+        if has_nan:
             node = model_trace.nodes.get(site) if model_trace is not None else None
             if node is not None and node["is_observed"] and torch.isnan(node["value"]).any():
                 raise ValueError(
@@ -717,9 +732,9 @@ def check_finite(
             raise ValueError(
                 f"TMC factor of site '{site}' contains NaN: check its distribution's parameters."
             )
-        if torch.isposinf(tensor).any():
+        if has_posinf:
             raise ValueError(f"TMC factor of site '{site}' contains +inf: check its log density.")
-        if tensor.numel() and (tensor == -math.inf).all():
+        if all_neginf:
             raise ValueError(
                 f"TMC factor of site '{site}' is -inf for every particle: its value has zero "
                 "density under the model or the proposal (e.g. a value outside the support)."

@@ -460,3 +460,18 @@ def test_max_factor_bytes_values():
     for bad in [0, -1, "big", 1.5, True]:
         with pytest.raises(ValueError, match="max_factor_bytes"):
             TMC_ELBO(max_factor_bytes=bad)
+
+
+def test_chunked_factor_checked_slice_by_slice(monkeypatch):
+    """A non-finite estimate names the site of a chunked factor without building it whole."""
+    from pyro_tmc.contraction import ChunkedFactor
+
+    def nan_model(x):
+        theta = pyro.sample("theta", dist.Normal(0.0, 1.0))
+        with pyro.plate("data", len(x)):
+            z = pyro.sample("z", dist.Normal(theta * torch.tensor(float("nan")), 1.0))
+            pyro.sample("x", dist.Normal(z, 1.0), obs=x)
+
+    monkeypatch.setattr(ChunkedFactor, "materialise", lambda self: pytest.fail("materialised"))
+    with pyro.validation_enabled(False), pytest.raises(ValueError, match="site 'z' contains NaN"):
+        TMC_ELBO(16, max_plate_nesting=1, max_factor_bytes=256).loss(nan_model, _toy_guide, torch.randn(8))
