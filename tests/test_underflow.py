@@ -17,9 +17,15 @@ import torch.distributions.normal as torch_normal
 import pyro
 import pyro.distributions as dist
 
-from pyro_tmc import TMC_ELBO
+from pyro_tmc import TMC_ELBO, log_einsum
 from pyro_tmc.factors import contract_estimate
-from pyro_tmc.log_einsum import einsum, log_matmul_exp, sequential_log_matmul_exp
+from pyro_tmc.log_einsum import (
+    any_flag,
+    deferred_underflow_checks,
+    einsum,
+    log_matmul_exp,
+    sequential_log_matmul_exp,
+)
 
 EPS32 = torch.finfo(torch.float32).eps
 
@@ -165,6 +171,29 @@ def test_einsum_repairs_only_what_underflows():
     a, b = torch.randn(5, 6, generator=generator), torch.randn(6, 4, generator=generator)
     fast = (a.exp() @ b.exp()).log()
     assert torch.allclose(einsum("ab,bc->ac", a, b), fast, rtol=1e-6)
+
+
+def test_exact_recomputation_in_chunks(monkeypatch):
+    """The repaired entries are recomputed a few at a time (memory-bounded): the same values."""
+    monkeypatch.setattr(log_einsum, "EXACT_CHUNK_ELEMENTS", 10)  # one or two entries a chunk
+    generator = torch.Generator().manual_seed(5)
+    x, y = spread((2, 6, 7), generator, 0.2), spread((2, 5, 7), generator, 0.2).transpose(-1, -2)
+    expected = brute_einsum("nij,njk->nik", x.double(), y.double())
+    assert_close_log(log_matmul_exp(x, y), expected, 2000.0)
+    assert_close_log(einsum("nij,njk->nik", x, y), expected, 2000.0)
+
+
+def test_deferred_checks_flag_instead_of_repairing():
+    """While a graph is traced: the fast value, and a flag set exactly where something underflowed."""
+    generator = torch.Generator().manual_seed(6)
+    x, y = spread((6, 7), generator), spread((5, 7), generator).T
+    calm = torch.randn(6, 7, generator=generator), torch.randn(7, 5, generator=generator)
+    dead = torch.full((6, 7), -math.inf), torch.randn(7, 5, generator=generator)  # -inf, not underflow
+    for operands, underflows in [((x, y), True), (calm, False), (dead, False)]:
+        for product in (log_matmul_exp, lambda a, b: einsum("ij,jk->ik", a, b)):
+            with deferred_underflow_checks() as flags:
+                product(*operands)
+            assert bool(any_flag(flags, x)) == underflows
 
 
 def test_float64_wide_spread():
