@@ -271,9 +271,12 @@ def eliminate_in_chunks(
     out_dims = "".join(sorted(kept | home))
     # A kept dim held in the group only inside deeper plates (a global whose other factors are
     # outside) looks plated to Pyro's contraction, which then refuses to keep it: a zero
-    # factor over it, in no plate, shows its true plates.
+    # factor over it in the message's own plates (not fewer: the contraction would then
+    # multiply those out too) shows where it lives.
     group_ordinal = _ordinals([lazy.dims] + [t._pyro_dims for t in group], plates)
     unplated = "".join(sorted(d for d in kept if not group_ordinal[d] <= home))
+    if unplated:
+        unplated += "".join(sorted(home))
 
     def message(start: int, stop: int, *inputs: torch.Tensor) -> torch.Tensor:
         terms = [lazy.compute(start, stop)]

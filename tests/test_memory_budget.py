@@ -169,6 +169,43 @@ def test_chunked_nested_plates_match_unbudgeted():
             assert torch.allclose(grad, expected_grad, atol=1e-5)
 
 
+def outer_prior_model(size):
+    g = pyro.sample("g", dist.Normal(0.0, 1.0))
+    with pyro.plate("outer", size, dim=-2):
+        z = pyro.sample("z", dist.Normal(0.0, 1.0))  # drawn from the prior
+        with pyro.plate("inner", 2, dim=-1):
+            w = pyro.sample("w", dist.Normal(g, 1.0))
+            pyro.sample("x", dist.Normal(w + z, 0.3), obs=torch.ones(size, 2))
+
+
+def outer_prior_guide(size):
+    pyro.sample("g", dist.Normal(pyro.param("m", torch.tensor(0.0)), 1.0))
+    with pyro.plate("outer", size, dim=-2), pyro.plate("inner", 2, dim=-1):
+        pyro.sample("w", dist.Normal(0.0, 1.0))
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_chunked_global_kept_across_a_nested_plate(size):
+    """
+    The fuzzer's N2: eliminating z (outer plate) keeps g, which the group holds only inside the
+    inner plate; the zero factor that shows g's plates sat in no plate, so Pyro's contraction
+    multiplied out the outer plate too (17.70 -> 34.54 at size 2). Value and gradient.
+    """
+    results = []
+    for budget in [None, 64, 8]:
+        pyro.set_rng_seed(0)
+        elbo = TMC_ELBO(3, max_plate_nesting=2, max_factor_bytes=budget)
+        pyro.clear_param_store()
+        loss = elbo.differentiable_loss(outer_prior_model, outer_prior_guide, size)
+        results.append((loss.detach(), torch.autograd.grad(loss, pyro.param("m").unconstrained())))
+    (expected, expected_grads), *budgeted = results
+    if size == 2:
+        assert expected.item() == pytest.approx(17.70, abs=0.01)
+    for loss, grads in budgeted:
+        assert torch.allclose(loss, expected, atol=1e-5)
+        assert torch.allclose(grads[0], expected_grads[0], atol=1e-5)
+
+
 def enumerated_chain_model():
     trans = pyro.param(
         "trans",
