@@ -2,6 +2,6 @@
 
 __version__ = "0.1.0"
 
-from .infer import IWAE_ELBO, TMC_ELBO, TMC_RWS  # noqa: E402
+from .infer import IWAE_ELBO, QEM, TMC_ELBO, TMC_RWS, QEMGuide  # noqa: E402
 
-__all__ = ["IWAE_ELBO", "TMC_ELBO", "TMC_RWS", "__version__"]
+__all__ = ["IWAE_ELBO", "QEM", "QEMGuide", "TMC_ELBO", "TMC_RWS", "__version__"]

@@ -2,12 +2,15 @@
 
 from .iwae_elbo import IWAE_ELBO
 from .predictive import PredictiveLogLikelihood, predictive_log_likelihood
+from .qem import QEM, QEMGuide
 from .rws import TMC_RWS
 from .tmc_elbo import TMC_ELBO
 
 __all__ = [
     "IWAE_ELBO",
     "PredictiveLogLikelihood",
+    "QEM",
+    "QEMGuide",
     "TMC_ELBO",
     "TMC_RWS",
     "predictive_log_likelihood",

@@ -21,7 +21,7 @@ site.
 """
 
 from collections import OrderedDict
-from typing import Dict, List, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import torch
 
@@ -140,6 +140,17 @@ class ParticleMarginal(Empirical):
         deviation = samples - self.mean.unsqueeze(self._aggregation_dim)
         return self._weighted_mean(deviation.pow(2))
 
+    def expectation(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """
+        The posterior expectation of ``fn`` of the site's value, ``sum_k w_k fn(z^k)``:
+        batch shape + the shape ``fn`` gives each value (elementwise functions keep the
+        event shape). QEM reads sufficient statistics this way, e.g. ``E[log z]``.
+
+        :param callable fn: maps the particles (batch shape + (K,) + event shape) to a
+            tensor whose leading dims are batch shape + (K,).
+        """
+        return self._weighted_mean(fn(self._float_samples()))
+
 
 def compute_marginals(draw) -> "OrderedDict[str, Empirical]":
     """
@@ -151,13 +162,24 @@ def compute_marginals(draw) -> "OrderedDict[str, Empirical]":
         auxiliary site), with that site's weights; one that varies with several
         sites' particles is left out.
     """
+    return marginals_and_log_estimate(draw)[0]
+
+
+def marginals_and_log_estimate(draw) -> Tuple["OrderedDict[str, Empirical]", torch.Tensor]:
+    """
+    :func:`compute_marginals` and the draw's ``log P_TMC`` (detached), from one
+    contraction: what a loop that both reports the bound and reads the posterior needs.
+    """
     model_trace = draw.model_trace
     sites = particle_sites(model_trace, draw.guide_trace)
     sources = draw.sources([site["name"] for site in sites])
     all_weights = {}
     if sources:
         with torch.enable_grad():
-            all_weights = draw.marginal_weights(draw.log_estimate(sources), sources, retain_graph=False)
+            log_estimate = draw.log_estimate(sources)
+            all_weights = draw.marginal_weights(log_estimate, sources, retain_graph=False)
+    else:
+        log_estimate = draw.log_estimate()
     log_weights_of = {}  # particle symbol -> (owner site, plates + (K,) log weights)
     marginals = OrderedDict()
     for site in sites:
@@ -173,7 +195,8 @@ def compute_marginals(draw) -> "OrderedDict[str, Empirical]":
         marginal = _point_mass_marginal(model_trace.nodes[name], log_weights_of, model_trace.plate_to_symbol)
         if marginal is not None:
             marginals[name] = marginal
-    return OrderedDict((name, marginals[name]) for name in model_trace.nodes if name in marginals)
+    marginals = OrderedDict((name, marginals[name]) for name in model_trace.nodes if name in marginals)
+    return marginals, log_estimate.detach()
 
 
 def _point_mass_marginal(site, log_weights_of, plate_to_symbol):

@@ -1,0 +1,371 @@
+"""QEM: a gradient-free fit of a mean-field exponential-family guide by TMC moment matching.
+
+An exponential-family distribution is fixed by the expectations of its sufficient
+statistics T(z) (its mean parameters). QEM [1] sets a mean-field guide q(z_j) to the
+posterior's expectations of T(z_j), read from the TMC posterior of one draw of
+particles proposed by q itself (:func:`pyro_tmc.infer.posterior.compute_marginals`),
+and smooths them over steps by a moving average:
+
+    m_j <- (1 - lr) m_j + lr E_TMC[T(z_j)],    q(z_j) = the member whose E[T] is m_j.
+
+No gradient is taken. The fixed point is the guide whose moments equal the TMC
+posterior's, which for large K are the true posterior's marginal moments, whatever
+the correlations the mean-field guide cannot hold (they are in the TMC weights).
+Averaging the mean parameters, not the conventional ones, keeps a variance positive:
+an average of second moments is at least the average variance.
+
+Families (chosen per site from its support, or named per site):
+
+- ``"Normal"`` (real support): T = (z, z^2).
+- ``"LogNormal"`` (positive support): T = (log z, (log z)^2).
+- ``"Gamma"`` (positive support, by name): T = (z, log z); the shape solves
+  ``log a - digamma(a) = log E[z] - E[log z]`` by Newton's method.
+
+This follows the alan library's QEM (moving averages of mean parameters, converted
+to conventional parameters), written for Pyro models and guides.
+
+References
+
+[1] `Massively Parallel Expectation Maximization For Approximate Posteriors`,
+    Thomas Heap, Sam Bowyer and Laurence Aitchison (2025)
+"""
+
+import math
+from contextlib import ExitStack
+from typing import Callable, Dict, NamedTuple, Optional, Tuple, Union
+
+import torch
+from torch.distributions import constraints
+
+import pyro
+import pyro.distributions as dist
+from pyro import poutine
+from pyro.poutine.util import prune_subsample_sites
+
+from .posterior import marginals_and_log_estimate
+from .tmc_elbo import TMC_ELBO
+
+#: the smallest variance (relative to 1 + mean^2) a Normal or LogNormal guide site keeps
+MIN_RELATIVE_VARIANCE = 1e-12
+
+
+# -- families -----------------------------------------------------------------------
+
+
+class NormalFamily:
+    """q(z) = Normal(loc, scale): mean parameters (E[z], E[z^2])."""
+
+    name = "Normal"
+
+    def statistics(self, value: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        return value, value.square()
+
+    def distribution(self, first: torch.Tensor, second: torch.Tensor) -> dist.TorchDistribution:
+        return dist.Normal(first, _stddev(first, second))
+
+    def initial_statistics(self, mean: torch.Tensor, variance: torch.Tensor):
+        return mean, variance + mean.square()
+
+
+class LogNormalFamily(NormalFamily):
+    """q(z) = LogNormal(loc, scale): mean parameters (E[log z], E[(log z)^2])."""
+
+    name = "LogNormal"
+
+    def statistics(self, value: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        return super().statistics(value.log())
+
+    def distribution(self, first: torch.Tensor, second: torch.Tensor) -> dist.TorchDistribution:
+        return dist.LogNormal(first, _stddev(first, second))
+
+    def initial_statistics(self, mean: torch.Tensor, variance: torch.Tensor):
+        log_variance = torch.log1p(variance / mean.square())  # the LogNormal with this mean and variance
+        log_mean = mean.log() - log_variance / 2
+        return super().initial_statistics(log_mean, log_variance)
+
+
+class GammaFamily:
+    """q(z) = Gamma(concentration, rate): mean parameters (E[z], E[log z])."""
+
+    name = "Gamma"
+
+    def statistics(self, value: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        return value, value.log()
+
+    def distribution(self, first: torch.Tensor, second: torch.Tensor) -> dist.TorchDistribution:
+        concentration = gamma_shape(first.log() - second)
+        return dist.Gamma(concentration, concentration / first)
+
+    def initial_statistics(self, mean: torch.Tensor, variance: torch.Tensor):
+        concentration, rate = mean.square() / variance, mean / variance
+        return mean, torch.digamma(concentration) - rate.log()
+
+
+def gamma_shape(gap: torch.Tensor, newton_steps: int = 6) -> torch.Tensor:
+    """
+    The Gamma shape ``a`` with ``log a - digamma(a) = gap`` (``gap = log E[z] - E[log z] > 0``):
+    Minka's closed-form start, then Newton steps on ``log a - digamma(a)``.
+    """
+    gap = gap.clamp(min=1e-10)
+    shape = (3 - gap + ((gap - 3).square() + 24 * gap).sqrt()) / (12 * gap)
+    for _ in range(newton_steps):
+        residual = shape.log() - torch.digamma(shape) - gap
+        slope = 1 / shape - torch.polygamma(1, shape)
+        shape = (shape - residual / slope).clamp(min=shape / 10)
+    return shape
+
+
+def _stddev(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    floor = MIN_RELATIVE_VARIANCE * (1 + first.square())
+    return (second - first.square()).clamp(min=0).add(floor).sqrt()
+
+
+FAMILIES = {family.name: family for family in (NormalFamily(), LogNormalFamily(), GammaFamily())}
+
+
+def default_family(site: dict):
+    """Normal for a real site, LogNormal for a positive one, else ``None`` (not supported)."""
+    support = site["fn"].support
+    while isinstance(support, constraints.independent):
+        support = support.base_constraint
+    if support is constraints.real:
+        return FAMILIES["Normal"]
+    if isinstance(support, constraints.greater_than) and float(support.lower_bound) == 0.0:
+        return FAMILIES["LogNormal"]
+    return None
+
+
+# -- the guide ------------------------------------------------------------------------
+
+
+class QEMSite(NamedTuple):
+    """A guide site: its plates, family, batch and event shape (those of the model's site)."""
+
+    frames: tuple
+    family: object
+    batch_shape: torch.Size
+    event_dim: int
+
+
+class QEMGuide:
+    """
+    A mean-field exponential-family guide for :class:`QEM`: one independent
+    distribution per continuous latent site of the model, in the model's plates,
+    held by its mean parameters in Pyro's param store (``"<prefix>.<site>"``: the
+    two statistics stacked along a new leading dim).
+
+    Discrete latents are left to the model (TMC draws them from the prior, or sums
+    them where ``infer={"enumerate": "parallel"}``). Plates must not be subsampled.
+
+    Example::
+
+        guide = QEMGuide(model)
+        qem = QEM(model, guide, num_samples=32, lr=0.2, max_plate_nesting=1)
+        for step in range(200):
+            loss = qem.step(data)
+        guide.distribution("theta").mean, guide.distribution("theta").stddev
+
+    :param callable model: the Pyro model.
+    :param dict families: site name -> ``"Normal"``, ``"LogNormal"`` or ``"Gamma"``; other
+        sites: Normal for real support, LogNormal for positive support.
+    :param float init_scale: the first guide's standard deviations, as multiples of the
+        prior's (read from the prior at one draw of the model); wider proposals are safer.
+    :param str prefix: the param store names' prefix.
+    """
+
+    def __init__(
+        self,
+        model: Callable,
+        families: Optional[Dict[str, str]] = None,
+        init_scale: float = 1.0,
+        prefix="qem",
+    ) -> None:
+        self.model = model
+        self.families = dict(families or {})
+        unknown = set(self.families.values()) - set(FAMILIES)
+        if unknown:
+            raise ValueError(
+                f"QEMGuide(families=...): unknown families {sorted(unknown)}; use {sorted(FAMILIES)}."
+            )
+        self.init_scale = init_scale
+        self.prefix = prefix
+        self.sites: Optional[Dict[str, QEMSite]] = None
+
+    def param_name(self, name: str) -> str:
+        return f"{self.prefix}.{name}"
+
+    # -- setting up from the model ---------------------------------------------------
+
+    def setup(self, *args, **kwargs) -> None:
+        """Read the model's continuous latents, and start each at its prior moments (once)."""
+        if self.sites is not None:
+            return
+        with torch.no_grad():
+            prototype = poutine.block(poutine.trace(self.model).get_trace)(*args, **kwargs)
+        prototype = prune_subsample_sites(prototype)
+        self.sites = {}
+        for name, site in prototype.nodes.items():
+            if site["type"] != "sample" or site["is_observed"] or site["fn"].support.is_discrete:
+                continue
+            family = self._family(site)
+            self.sites[name] = QEMSite(
+                _plate_frames(site), family, site["fn"].batch_shape, site["fn"].event_dim
+            )
+            mean, variance = _prior_moments(site, self.init_scale)
+            first, second = family.initial_statistics(mean, variance)
+            pyro.param(self.param_name(name), torch.stack([first, second]).detach())
+
+    def _family(self, site: dict):
+        if site["name"] in self.families:
+            return FAMILIES[self.families[site["name"]]]
+        family = default_family(site)
+        if family is None:
+            raise NotImplementedError(
+                f"QEMGuide: site '{site['name']}' has support {site['fn'].support}; QEM fits Normal (real) "
+                "and LogNormal or Gamma (positive) sites. Reparameterise it onto one of those supports."
+            )
+        return family
+
+    # -- the guide --------------------------------------------------------------------
+
+    def statistics(self, name: str) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The site's current mean parameters (the two expectations)."""
+        first, second = pyro.param(self.param_name(name)).detach().unbind(0)
+        return first, second
+
+    def distribution(self, name: str) -> dist.TorchDistribution:
+        """The guide's distribution of the site (batch shape: the site's plates; event as the model's)."""
+        site = self.sites[name]
+        return site.family.distribution(*self.statistics(name)).to_event(site.event_dim)
+
+    def __call__(self, *args, **kwargs) -> None:
+        self.setup(*args, **kwargs)
+        for name, site in self.sites.items():
+            with ExitStack() as plates:
+                for frame in site.frames:
+                    plates.enter_context(pyro.plate(frame.name, frame.size, dim=frame.dim))
+                pyro.sample(name, self.distribution(name))
+
+    # -- the QEM update ------------------------------------------------------------------
+
+    def update(self, marginals: dict, lr: float) -> None:
+        """
+        ``m <- (1 - lr) m + lr E[T(z)]`` for every guide site, the expectations read from
+        ``marginals`` (:func:`~pyro_tmc.infer.posterior.compute_marginals`).
+        """
+        store = pyro.get_param_store()
+        for name, site in self.sites.items():
+            statistics = torch.stack(
+                [marginals[name].expectation(lambda z, i=i: site.family.statistics(z)[i]) for i in (0, 1)]
+            )
+            old = pyro.param(self.param_name(name)).detach()
+            store[self.param_name(name)] = old + lr * (statistics.reshape(old.shape).to(old) - old)
+
+
+def _plate_frames(site: dict) -> tuple:
+    frames = tuple(frame for frame in site["cond_indep_stack"] if frame.vectorized)
+    batch_shape = site["fn"].batch_shape
+    for frame in frames:
+        if -frame.dim <= len(batch_shape) and batch_shape[frame.dim] not in (1, frame.size):
+            raise NotImplementedError(
+                f"QEMGuide: site '{site['name']}' is in plate '{frame.name}' subsampled to "
+                f"{batch_shape[frame.dim]} of {frame.size}; QEM needs whole plates."
+            )
+    return frames
+
+
+def _prior_moments(site: dict, init_scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The prior's mean and variance at the site (at the prototype's parents), else (0, 1)."""
+    fn = site["fn"]
+    shape = fn.batch_shape + fn.event_shape
+    try:
+        mean, variance = fn.mean.expand(shape), fn.variance.expand(shape)
+    except (NotImplementedError, RuntimeError):
+        mean = variance = None
+    value = site["value"]
+    if mean is None or not (torch.isfinite(mean).all() and torch.isfinite(variance).all()):
+        mean, variance = (
+            value.new_ones(shape) if _is_positive(fn) else value.new_zeros(shape),
+            value.new_ones(shape),
+        )
+    return mean.to(value.dtype).clone(), (variance * init_scale**2).to(value.dtype).clamp(min=1e-12)
+
+
+def _is_positive(fn) -> bool:
+    support = fn.support
+    while isinstance(support, constraints.independent):
+        support = support.base_constraint
+    return isinstance(support, constraints.greater_than)
+
+
+# -- the loop ---------------------------------------------------------------------------
+
+
+class QEM:
+    """
+    Gradient-free fitting of a :class:`QEMGuide` by TMC moment matching, with the
+    interface of :class:`pyro.infer.SVI`: ``step(*args, **kwargs)`` runs one update
+    and returns the loss ``-log P_TMC`` of its draw (a float).
+
+    Each step draws K particles of every latent from the current guide, reads the
+    posterior expectations of each site's sufficient statistics from the TMC posterior
+    of that draw, and moves the guide's mean parameters a fraction ``lr`` towards them.
+    The model's own parameters (``pyro.param`` in the model) are not changed: train
+    those with ``SVI`` and :class:`~pyro_tmc.TMC_ELBO`, alternating if needed.
+
+    :param callable model: the Pyro model.
+    :param QEMGuide guide: the guide that QEM fits.
+    :param lr: the moving average's step, in (0, 1]: 1 replaces the moments each step;
+        smaller values average the Monte Carlo noise over about ``2 / lr`` steps. A callable
+        ``step -> lr`` (step counts from 0) gives a schedule, e.g. ``lambda t: max(0.1, 1 / (t + 1))``.
+    :param int num_samples: K, the particles per latent in each step's TMC draw.
+    :param max_plate_nesting: as in every Pyro ELBO.
+    :param tmc_options: other :class:`~pyro_tmc.TMC_ELBO` arguments (``proposal``, ...).
+    """
+
+    def __init__(
+        self,
+        model: Callable,
+        guide: QEMGuide,
+        lr: Union[float, Callable[[int], float]] = 0.1,
+        num_samples: int = 16,
+        max_plate_nesting: float = float("inf"),
+        **tmc_options,
+    ) -> None:
+        if not isinstance(guide, QEMGuide):
+            raise TypeError(
+                f"QEM needs a QEMGuide (a mean-field exponential-family guide), got {type(guide)}."
+            )
+        self.model = model
+        self.guide = guide
+        self.lr = lr
+        self.num_steps = 0
+        self._step_size()  # checks lr now, not at the first step
+        self.elbo = TMC_ELBO(num_samples=num_samples, max_plate_nesting=max_plate_nesting, **tmc_options)
+
+    def step(self, *args, **kwargs) -> float:
+        """One QEM update; returns ``-log P_TMC`` of the draw that made it."""
+        self.guide.setup(*args, **kwargs)
+        with torch.no_grad():
+            draw = self.elbo.draw(self.model, self.guide, *args, **kwargs)
+            marginals, log_estimate = marginals_and_log_estimate(draw)
+            self.guide.update(marginals, self._step_size())
+        self.num_steps += 1
+        loss = -float(log_estimate)
+        if math.isnan(loss):
+            raise ValueError(
+                "QEM.step: the TMC estimate is NaN; check the model's data and the guide's start."
+            )
+        return loss
+
+    def _step_size(self) -> float:
+        lr = self.lr(self.num_steps) if callable(self.lr) else self.lr
+        if not 0.0 < lr <= 1.0:
+            raise ValueError(f"QEM: the moving average's step lr must be in (0, 1], got {lr}.")
+        return lr
+
+    def evaluate_loss(self, *args, **kwargs) -> float:
+        """``-log P_TMC`` of a fresh draw from the current guide, with no update."""
+        self.guide.setup(*args, **kwargs)
+        with torch.no_grad():
+            return self.elbo.loss(self.model, self.guide, *args, **kwargs)
