@@ -117,6 +117,7 @@ class Spec:
     plate_scale: Optional[float] = None  # poutine.scale shared by every site in the plates
     model_scale: Optional[float] = None  # poutine.scale around the whole model
     factors: List[Tuple[str, str, float]] = field(default_factory=list)  # (name, parent, coef)
+    guide_factor: Optional[Tuple[str, float]] = None  # pyro.factor in the guide: (global guide latent, coef)
     irrelevant: Optional[str] = None  # "prior" | "enum" | "plate": an extra latent nothing uses
     options: Dict[str, object] = field(default_factory=dict)
     features: List[str] = field(default_factory=list)
@@ -478,6 +479,12 @@ def _draw_global_extras(rng, spec, family):
         spec.factors.append((f"f_{parent.name}", parent.name, _r(rng, -0.8, 0.8)))
     if rng.random() < 0.15:
         spec.model_scale = rng.choice((0.5, 2.0))
+    guided = [
+        s for s in spec.latents() if s.level == "global" and s.treatment in ("guide", "delta", "nonfact")
+    ]
+    # (a model-wide scale with a guide factor is a tempering, which TraceEnum_ELBO does not share)
+    if guided and rng.random() < 0.2 and not (family == "enum" and spec.model_scale is not None):
+        spec.guide_factor = (rng.choice(guided).name, _r(rng, -0.8, 0.8))
     if family == "enum":
         for site in spec.sites:
             site.learn = rng.random() < 0.5
@@ -530,6 +537,10 @@ def _draw_options(rng, spec, family):
     o["max_factor_bytes"] = rng.choice((8, 16, 64, 256))
     o["variance_reduction"] = rng.choice(("stl", "dregs"))
     o["per_site_K"] = rng.random() < 0.2 and o["proposal"] == "mixture"
+    if o["per_site_K"]:  # infer={"num_samples": K_i} on some sampled sites
+        for site in spec.latents():
+            if site.treatment in ("guide", "nonfact", "prior") and rng.random() < 0.5:
+                site.numbers["K"] = rng.choice((1, 2, 3, 5))
 
 
 def _fix_invalid(spec: Spec) -> None:
@@ -650,8 +661,12 @@ def features_of(spec: Spec) -> set:
         out.add("scale:model")
     if spec.factors:
         out.add("factor")
+    if spec.guide_factor is not None:
+        out.add("factor:guide")
     if spec.irrelevant:
         out.add(f"irrelevant:{spec.irrelevant}")
+    if any("K" in s.numbers for s in spec.latents()):
+        out.add("per_site_num_samples")
     if any(s.numbers["sd"] < 0.05 for s in spec.latents() if s.kind == "Normal"):
         out.add("stiff")
     return out
@@ -1062,10 +1077,14 @@ def _render_guide(spec: Spec) -> str:
     start = len(out.lines)
     for site in mine:
         if site.level == "global":
-            out.add(
-                depth,
-                _guide_line(spec, site),
-            )
+            out.add(depth, _guide_line(spec, site))
+    if spec.guide_factor is not None and spec.guide_factor[0] in [s.name for s in mine]:
+        name, coef = spec.guide_factor
+        rsample = spec.site(name).kind in CONTINUOUS
+        out.add(
+            depth,
+            f'pyro.factor("gf_{name}", {coef} * ({_signal(spec.site(name), name)}), has_rsample={rsample})',
+        )
     levels = ["outer", "inner"] if len(spec.plates) == 2 else ["inner"]
     # the guide opens the plates when it samples in them, or when they subsample by size (one minibatch)
     plated = [s for s in mine if s.level in ("inner", "outer")]

@@ -25,7 +25,11 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.distributions.dirichlet as torch_dirichlet
 import torch.distributions.gamma as torch_gamma
+import torch.distributions.lowrank_multivariate_normal as torch_lowrank_mvn
+import torch.distributions.multivariate_normal as torch_mvn
 import torch.distributions.normal as torch_normal
+import torch.distributions.studentT as torch_student_t
+import torch.distributions.utils as torch_distribution_utils
 
 import pyro
 from pyro import poutine
@@ -386,6 +390,7 @@ def brute_force(case: Case, draw, joint: bool = False) -> dict:
     return {
         "log_estimate": log_estimate.item(),
         "marginals": {n: torch.stack(v) for n, v in marginals.items()},
+        "particles": {n: v for n, v in values.items() if kinds[n] != "delta"},
     }
 
 
@@ -452,6 +457,7 @@ def brute_force_oracle(case: Case) -> List[Check]:
         )
         if loss == "TMC_ELBO":
             checks.extend(_brute_marginal_checks(draw, truth["marginals"]))
+            checks.extend(_posterior_draw_checks(draw, truth))
     return checks
 
 
@@ -470,6 +476,40 @@ def _brute_marginal_checks(draw, expected: Dict[str, torch.Tensor]) -> List[Chec
         have = log_w.reshape(-1, log_w.shape[-1]).exp()
         ok = have.shape == want.shape and torch.allclose(have, want.to(have.dtype), atol=1e-4)
         checks.append(Check("brute", f"marginal[{name}]", ok, want.tolist(), have.tolist()))
+    return checks
+
+
+#: joint posterior draws per brute-force case (frequencies within 5 binomial SEs of the marginals)
+NUM_POSTERIOR_DRAWS = 2000
+
+
+def _posterior_draw_checks(draw, truth: dict) -> List[Check]:
+    """``sample_posterior``'s draws of each site's particles have the frequencies of its exact marginals."""
+    try:
+        with quiet(), torch.no_grad():
+            samples = draw.sample(NUM_POSTERIOR_DRAWS)
+    except Exception as error:  # noqa: BLE001
+        return [Check("brute", "sample_posterior", False, "draws", f"{type(error).__name__}: {error}"[:300])]
+    checks = []
+    for name, want in truth["marginals"].items():
+        particles = truth["particles"][name]
+        if name not in samples:
+            checks.append(Check("brute", f"sample_posterior[{name}]", False, "draws", "missing"))
+            continue
+        count, elements = particles.shape[0], want.shape[0]
+        options = particles.reshape(count, elements, -1).to(samples[name].dtype)
+        drawn = samples[name].reshape(NUM_POSTERIOR_DRAWS, elements, -1)
+        matches = (drawn[:, None] == options[None]).all(-1)  # (draws, K, elements)
+        if not bool((matches.sum(1) >= 1).all()):
+            checks.append(
+                Check("brute", f"sample_posterior[{name}]", False, "one of the particles", "another value")
+            )
+            continue
+        frequency = matches.double().div(matches.sum(1, keepdim=True)).mean(0).T  # (elements, K)
+        p = want.double().clamp(0.0, 1.0)
+        se = (p * (1 - p) / NUM_POSTERIOR_DRAWS).sqrt()
+        ok = bool(((frequency - p).abs() <= 5 * se + 2e-3).all())
+        checks.append(Check("brute", f"sample_posterior[{name}]", ok, p.tolist(), frequency.tolist()))
     return checks
 
 
@@ -516,65 +556,69 @@ def twin_oracle(case: Case) -> List[Check]:
 # float32 against float64 on identical particles
 # --------------------------------------------------------------------------- #
 
+#: the torch modules that bind ``_standard_normal`` at import (each is patched)
+_STANDARD_NORMAL_USERS = (
+    torch_normal,
+    torch_mvn,
+    torch_lowrank_mvn,
+    torch_student_t,
+    torch_distribution_utils,
+)
+
+
+def _in_float64(sample: Callable) -> Callable:
+    """``sample`` run on float64 inputs, its floating output cast back to the first input's dtype."""
+
+    def wrapped(*args, **kwargs):
+        dtype = next((a.dtype for a in args if torch.is_tensor(a) and a.is_floating_point()), None)
+        if dtype is None:
+            return sample(*args, **kwargs)
+        args = [a.double() if torch.is_tensor(a) and a.is_floating_point() else a for a in args]
+        out = sample(*args, **kwargs)
+        return out.to(dtype) if out.is_floating_point() else out
+
+    return wrapped
+
 
 @contextlib.contextmanager
 def float64_randomness():
     """
     Every random number drawn in float64 and cast to the working dtype, so that a float32 run
-    draws the particles of the float64 run (up to the cast).
+    draws the particles of the float64 run (up to the cast): torch's samplers patched where the
+    distributions call them.
     """
-    saved = (
-        torch_normal._standard_normal,
-        torch_gamma._standard_gamma,
-        torch_dirichlet._Dirichlet,
-        torch.multinomial,
-        torch.bernoulli,
-        torch.binomial,
-        torch.rand,
-    )
-    normal, gamma, dirichlet, multinomial, bernoulli, binomial, rand = saved
-
-    def rand64(*size, dtype=None, **kwargs):
-        return rand(*size, dtype=torch.float64, **kwargs).to(dtype or torch.get_default_dtype())
+    normal = torch_distribution_utils._standard_normal
+    dirichlet = torch_dirichlet._Dirichlet
+    rand = torch.rand
 
     class Dirichlet64:
         @staticmethod
         def apply(concentration):
             return dirichlet.apply(concentration.double()).to(concentration.dtype)
 
-    def cast(fn):
-        def wrapped(probs, *args, **kwargs):
-            if torch.is_tensor(probs) and probs.is_floating_point():
-                out = fn(probs.double(), *args, **kwargs)
-                return out.to(probs.dtype) if out.is_floating_point() else out
-            return fn(probs, *args, **kwargs)
+    def standard_normal(shape, dtype, device):
+        return normal(shape, torch.float64, device).to(dtype)
 
-        return wrapped
+    def rand64(*size, dtype=None, **kwargs):
+        return rand(*size, dtype=torch.float64, **kwargs).to(dtype or torch.get_default_dtype())
 
-    def binomial64(count, prob, *args, **kwargs):
-        return binomial(count.double(), prob.double(), *args, **kwargs).to(prob.dtype)
-
-    torch_normal._standard_normal = lambda shape, dtype, device: normal(shape, torch.float64, device).to(
-        dtype
-    )
-    torch_gamma._standard_gamma = lambda c: gamma(c.double()).to(c.dtype)
-    torch_dirichlet._Dirichlet = Dirichlet64
-    torch.multinomial = cast(multinomial)
-    torch.bernoulli = cast(bernoulli)
-    torch.binomial = binomial64
-    torch.rand = rand64
+    patches = [(module, "_standard_normal", standard_normal) for module in _STANDARD_NORMAL_USERS]
+    patches += [
+        (torch_gamma, "_standard_gamma", _in_float64(torch_gamma._standard_gamma)),
+        (torch_dirichlet, "_Dirichlet", Dirichlet64),
+        (torch, "multinomial", _in_float64(torch.multinomial)),
+        (torch, "bernoulli", _in_float64(torch.bernoulli)),
+        (torch, "binomial", _in_float64(torch.binomial)),
+        (torch, "rand", rand64),
+    ]
+    saved = [(module, name, getattr(module, name)) for module, name, _ in patches]
+    for module, name, replacement in patches:
+        setattr(module, name, replacement)
     try:
         yield
     finally:
-        (
-            torch_normal._standard_normal,
-            torch_gamma._standard_gamma,
-            torch_dirichlet._Dirichlet,
-            torch.multinomial,
-            torch.bernoulli,
-            torch.binomial,
-            torch.rand,
-        ) = saved
+        for module, name, original in saved:
+            setattr(module, name, original)
 
 
 @contextlib.contextmanager
@@ -685,8 +729,11 @@ def invariance_oracle(case: Case, which=None) -> List[Check]:
                     )
                 )
         elif option == "irrelevant" and spec.chain is not None and not _later_prior_sites(spec):
+            tempered = spec.model_scale is not None and spec.guide_factor is not None
             for kind in ("prior", "enum", "plate", None):
-                if kind == spec.irrelevant:
+                if kind == spec.irrelevant or (tempered and "enum" in (kind, spec.irrelevant)):
+                    # a model scale the guide factor does not share tempers each site: an enumerated m
+                    # then gives sum_m p(m)^s != 1 (API.md, poutine.scale), so m is not irrelevant
                     continue
                 other = case.variant(irrelevant=kind)
                 if other.spec.max_plate_nesting != spec.max_plate_nesting:
