@@ -398,7 +398,7 @@ def compute_log_factors(
         for tensor in guide_site_log_factors(
             site, extra_scale, sources.get(name), detach_guide_proposals, densities
         ):
-            factors.append(LogFactor(name, _keep_scaled_unit_plates(tensor, site, guide_trace, model_trace)))
+            factors.append(LogFactor(name, _keep_scaled_unit_plates(tensor, site, model_trace)))
     joint = joint_samples_factor(model_trace)
     if joint is not None:
         factors.append(LogFactor("(joint samples)", joint))
@@ -406,7 +406,7 @@ def compute_log_factors(
 
 
 def _keep_scaled_unit_plates(
-    term: Union[torch.Tensor, ChunkedFactor], site, trace: Trace, model_trace: Optional[Trace] = None
+    term: Union[torch.Tensor, ChunkedFactor], site, model_trace: Trace
 ) -> Union[torch.Tensor, ChunkedFactor]:
     """
     The packed ``term`` with a size-1 dim restored for each of the site's plates
@@ -415,11 +415,12 @@ def _keep_scaled_unit_plates(
     size-1 dims, but the plate's scale multiplies the log of the sum over the
     particles inside it, so the contraction must still see where the plate is.
     """
-    plate_scales = scale_plan(model_trace if model_trace is not None else trace).plate_scales
+    plate_scales = scale_plan(model_trace).plate_scales
+    dim_to_symbol = site["infer"]["_dim_to_symbol"]
     missing = []
     for frame in site["cond_indep_stack"]:
         if frame.vectorized and frame.size == 1:
-            symbol = trace.plate_to_symbol[frame.name]
+            symbol = dim_to_symbol[frame.dim]
             if plate_scales.get(symbol, 1.0) != 1.0 and symbol not in _dims_of(term):
                 missing.append(symbol)
     if not missing:
