@@ -1,8 +1,8 @@
 """Defects the model fuzzer found beyond F1-F7, each as a minimal model (issue 17).
 
 Each test compares against an exact oracle: the same estimate computed another way on the
-same particles (same seed). They are marked ``xfail(strict=False)`` while the defect is open;
-remove the mark when the fix lands.
+same particles (same seed). A test is marked ``xfail(strict=False)`` while its defect is open;
+the mark goes when the fix lands.
 """
 
 import pytest
@@ -30,7 +30,8 @@ def _loss(model, guide, *args, seed=0, **elbo_kwargs):
 
 
 # --------------------------------------------------------------------------- #
-# N1: compile="graph" on a plate of one element
+# N1: compile="graph" on a plate of one element: AttributeError '_TraceView' object has no
+# attribute 'plate_to_symbol' (factors._keep_scaled_unit_plates; fixed in 170d432)
 # --------------------------------------------------------------------------- #
 
 
@@ -44,16 +45,8 @@ def _unit_plate_guide(index):
     pyro.sample("g", dist.Normal(0.0, 1.0))
 
 
-N1_OPEN = pytest.mark.xfail(
-    strict=False,
-    reason="N1: compile='graph' with a plate of one element raises AttributeError "
-    "'_TraceView' object has no attribute 'plate_to_symbol' (factors._keep_scaled_unit_plates "
-    "reads the trace view the graph is traced on)",
-)
-
-
 @pytest.mark.parametrize(
-    "index", [pytest.param([1], marks=N1_OPEN, id="one_element"), pytest.param([0, 1], id="two_elements")]
+    "index", [pytest.param([1], id="one_element"), pytest.param([0, 1], id="two_elements")]
 )
 def test_compile_graph_equals_eager_on_a_plate_of_one_element(index):
     index = torch.tensor(index)
@@ -65,6 +58,7 @@ def test_compile_graph_equals_eager_on_a_plate_of_one_element(index):
 
 # --------------------------------------------------------------------------- #
 # N2: max_factor_bytes with a global, an outer-plate latent and an inner-plate latent
+# (17.70 -> 34.54 at outer size 2, seed 0, K=3; fixed in ea8af7a)
 # --------------------------------------------------------------------------- #
 
 
@@ -84,11 +78,6 @@ def _nested_guide(size):
             pyro.sample("w", dist.Normal(0.0, 1.0))
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="N2: max_factor_bytes changes the value when a global latent, a latent in an outer plate "
-    "and one in a nested inner plate meet (17.70 -> 34.54 at outer size 2, seed 0, K=3)",
-)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("size", [2, 3])
 def test_max_factor_bytes_keeps_the_value_with_nested_plates(size, dtype):
