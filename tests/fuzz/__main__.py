@@ -13,6 +13,7 @@ import warnings
 import torch
 
 from .generator import make_case
+from .minimize import minimize
 from .oracles import check_case
 
 
@@ -23,6 +24,9 @@ def main(argv=None) -> int:
     parser.add_argument("--family", default=None, help="only this family (enum, brute, twin, general, gauss)")
     parser.add_argument("--oracle", action="append", default=None, help="only these oracles (repeatable)")
     parser.add_argument("--show", type=int, default=None, help="print the case of this seed and its checks")
+    parser.add_argument(
+        "--minimize", action="store_true", help="with --show: shrink each failure to a minimal case"
+    )
     parser.add_argument("--max-failures-shown", type=int, default=60)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -30,8 +34,16 @@ def main(argv=None) -> int:
     if args.show is not None:
         case = make_case(args.show, args.family)
         print(case.describe())
-        for check in check_case(case, args.oracle):
+        checks = check_case(case, args.oracle)
+        for check in checks:
             print(("ok   " if check.ok else "FAIL ") + check.line()[:400])
+        if args.minimize:
+            for check in [c for c in checks if not c.ok and not c.refused]:
+                small = minimize(case, check)
+                print(f"\n# minimal case failing {check.oracle}/{check.what}:\n{small.describe()}")
+                for again in check_case(small, [check.oracle]):
+                    if not again.ok:
+                        print("FAIL " + again.line()[:400])
         return 0
     features = collections.Counter()
     checks_by_oracle = collections.Counter()
