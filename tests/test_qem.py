@@ -126,8 +126,9 @@ def test_nested_plates_and_shapes(fresh_pyro):
         mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
         with pyro.plate("outer", 3, dim=-2):
             a = pyro.sample("a", dist.Normal(mu, 1.0))
+            log_sigma = pyro.sample("log_sigma", dist.Normal(0.0, 1.0))  # a second site in the plate
             with pyro.plate("inner", 4, dim=-1):
-                pyro.sample("y", dist.Normal(a, 1.0), obs=y)
+                pyro.sample("y", dist.Normal(a, log_sigma.exp()), obs=y)
 
     y = torch.randn(3, 4)
     guide = QEMGuide(model)

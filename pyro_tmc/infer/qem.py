@@ -240,10 +240,17 @@ class QEMGuide:
 
     def __call__(self, *args, **kwargs) -> None:
         self.setup(*args, **kwargs)
+        # one plate object per plate, entered by every site in it (as AutoGuides do): a plate
+        # constructed twice would record its subsample site twice
+        plates = {}
+        for site in self.sites.values():
+            for frame in site.frames:
+                if frame.name not in plates:
+                    plates[frame.name] = pyro.plate(frame.name, frame.size, dim=frame.dim)
         for name, site in self.sites.items():
-            with ExitStack() as plates:
+            with ExitStack() as stack:
                 for frame in site.frames:
-                    plates.enter_context(pyro.plate(frame.name, frame.size, dim=frame.dim))
+                    stack.enter_context(plates[frame.name])
                 pyro.sample(name, self.distribution(name))
 
     # -- the QEM update ------------------------------------------------------------------
