@@ -204,7 +204,7 @@ def _treatment(rng: random.Random, family: str, kind: str, level: str) -> str:
     # general
     if discrete:
         return rng.choice(("enum", "guide", "prior", "genum"))
-    return rng.choice(("guide", "guide", "delta", "prior", "nonfact", "auto"))
+    return rng.choice(("guide", "delta", "prior", "nonfact", "nonfact", "auto"))
 
 
 def draw_spec(seed: int, family: Optional[str] = None) -> Spec:
@@ -653,7 +653,7 @@ def features_of(spec: Spec) -> set:
             out.add("markov:latent_after_loop")
     if spec.autoguide:
         out.add(f"guide:{spec.autoguide}")
-    if any(s.treatment == "nonfact" for s in spec.sites):
+    if any(s.treatment == "nonfact" or (s.treatment == "prior" and s.parents) for s in spec.sites):
         out.add(f"proposal:{spec.options['proposal']}")
     if spec.plate_scale is not None:
         out.add("scale:plate")
