@@ -38,11 +38,15 @@ def main(argv=None) -> int:
         for check in checks:
             print(("ok   " if check.ok else "FAIL ") + check.line()[:400])
         if args.minimize:
+            explained = set()  # failures that an earlier minimal case already shows
             for check in [c for c in checks if not c.ok and not c.refused]:
+                if (check.oracle, check.what) in explained:
+                    continue
                 small = minimize(case, check)
                 print(f"\n# minimal case failing {check.oracle}/{check.what}:\n{small.describe()}")
                 for again in check_case(small, [check.oracle]):
                     if not again.ok:
+                        explained.add((again.oracle, again.what))
                         print("FAIL " + again.line()[:400])
         return 0
     features = collections.Counter()
