@@ -4,8 +4,13 @@ The posterior predictive density of test data is
 
     p(y_test | y_train) = E_{theta ~ p(theta | y_train)} [ p(y_test | theta) ],
 
-estimated here by ``log mean_s p_hat(y_test | theta_s)`` over posterior draws
-``theta_s`` (for example :meth:`~pyro_tmc.infer.tmc_elbo.TMC_ELBO.sample_posterior`).
+estimated here by ``log sum_s a_s p_hat(y_test | theta_s)`` over weighted posterior
+draws ``theta_s``: the joint draws of several independent TMC draws
+(:meth:`~pyro_tmc.infer.tmc_elbo.TMC_ELBO.sample_posterior`), each set weighted by its
+TMC draw's estimate ``P_TMC`` of ``p(y_train)`` (:func:`posterior_draws`). That weighting
+pools the TMC draws into one importance sampler over all their particle combinations,
+consistent as TMC draws are added for any K; one TMC draw alone, or equal weights, keep
+the O(1/K) bias of self-normalised weights, and one draw's standard error cannot see it.
 
 The model is called with the test data, so its plates take the test rows' sizes.
 Latents shared by training and test rows (the global ones, and those of groups such
@@ -27,7 +32,7 @@ References
 
 import math
 from collections import OrderedDict
-from typing import Callable, Dict, FrozenSet, Iterable, NamedTuple, Optional
+from typing import Callable, Dict, FrozenSet, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -44,30 +49,73 @@ from .tmc_elbo import TMC_ELBO
 DRAWS_PLATE = "_predictive_draws"
 
 
+class PosteriorDraws(NamedTuple):
+    """
+    Posterior draws pooled from independent TMC draws (:func:`posterior_draws`).
+
+    :ivar list samples: one dict per TMC draw, site name -> draws (leading dim: the draws).
+    :ivar torch.Tensor log_evidences: each TMC draw's ``log P_TMC`` of the training data.
+    """
+
+    samples: List[Dict[str, torch.Tensor]]
+    log_evidences: torch.Tensor
+
+
 class PredictiveLogLikelihood(NamedTuple):
     """
     The result of :func:`predictive_log_likelihood`.
 
-    :ivar torch.Tensor log_likelihood: ``log mean_s p_hat(y_test | theta_s)``, a scalar.
-    :ivar torch.Tensor standard_error: its Monte Carlo standard error over the draws,
-        by the delta method: ``sd_s(w_s) / (sqrt(S) mean_s(w_s))`` with ``w_s = p_hat(y_test | theta_s)``.
+    :ivar torch.Tensor log_likelihood: ``log sum_s a_s p_hat(y_test | theta_s)``, a scalar, with
+        ``a_s`` the draws' weights (``1/S`` for one set of draws).
+    :ivar torch.Tensor standard_error: its Monte Carlo standard error, by the delta method: over the
+        draws for one set of draws, ``sd_s(w_s) / (sqrt(S) mean_s(w_s))`` with ``w_s = p_hat(y_test |
+        theta_s)``; over the pools (each TMC draw's mean of ``w_s``) for several, which also covers the
+        error of each TMC draw's particles.
     :ivar torch.Tensor log_likelihoods: ``log p_hat(y_test | theta_s)`` for each draw, shape ``(S,)``.
+    :ivar torch.Tensor log_weights: ``log a_s`` for each draw, shape ``(S,)``.
     """
 
     log_likelihood: torch.Tensor
     standard_error: torch.Tensor
     log_likelihoods: torch.Tensor
+    log_weights: torch.Tensor
 
     @property
     def effective_sample_size(self) -> float:
-        """``(sum w)^2 / sum w^2``: how many draws carry the estimate (a few means it is unreliable)."""
-        log_w = self.log_likelihoods
+        """``(sum a w)^2 / sum (a w)^2``: how many draws carry the estimate (a few: unreliable)."""
+        log_w = self.log_likelihoods + self.log_weights
         return float(torch.exp(2 * torch.logsumexp(log_w, 0) - torch.logsumexp(2 * log_w, 0)))
+
+
+def posterior_draws(
+    elbo: TMC_ELBO,
+    model: Callable,
+    guide: Callable,
+    *args,
+    num_tmc_draws: int = 10,
+    num_draws: int = 100,
+    **kwargs,
+) -> PosteriorDraws:
+    """
+    ``num_draws`` joint posterior draws from each of ``num_tmc_draws`` independent TMC
+    draws (:meth:`~pyro_tmc.TMC_ELBO.sample_posterior`), with each TMC draw's
+    ``log P_TMC``: :func:`predictive_log_likelihood` weights each set by it, which makes
+    the pooled estimate consistent as TMC draws are added, for any K.
+
+    :rtype: PosteriorDraws
+    """
+    samples, log_evidences = [], []
+    for _ in range(num_tmc_draws):
+        with torch.no_grad():
+            draw = elbo.draw(model, guide, *args, **kwargs)
+            log_evidences.append(draw.log_estimate().reshape(()))
+            samples.append(draw.sample(num_draws))
+    return PosteriorDraws(samples, torch.stack(log_evidences))
 
 
 def predictive_log_likelihood(
     model: Callable,
-    posterior_samples: Dict[str, torch.Tensor],
+    posterior_samples: Union[Dict[str, torch.Tensor], Sequence[Dict[str, torch.Tensor]], PosteriorDraws],
     *args,
     num_samples: int = 16,
     local_plates: Optional[Iterable[str]] = None,
@@ -82,7 +130,7 @@ def predictive_log_likelihood(
 
         elbo = TMC_ELBO(num_samples=16, max_plate_nesting=1)
         # ... train with SVI(model, guide, optim, elbo) on x_train, y_train ...
-        draws = elbo.sample_posterior(model, guide, x_train, y_train, num_draws=1000)
+        draws = posterior_draws(elbo, model, guide, x_train, y_train, num_tmc_draws=10, num_draws=100)
         result = predictive_log_likelihood(model, draws, x_test, y_test)
         result.log_likelihood, result.standard_error
 
@@ -94,8 +142,11 @@ def predictive_log_likelihood(
     Model latents absent from ``posterior_samples`` are marginalised the same way.
 
     :param callable model: the Pyro model, whose observed sites hold the test data.
-    :param dict posterior_samples: site name -> draws, leading dim the draws
-        (``(S,) +`` the site's plate and event shape, as ``sample_posterior`` returns them).
+    :param posterior_samples: site name -> draws, leading dim the draws (``(S,) +`` the site's
+        plate and event shape, as ``sample_posterior`` returns them); or a list of such dicts, one
+        per independent TMC draw (weighted equally; the standard error is then taken over them);
+        or a :class:`PosteriorDraws` (:func:`posterior_draws`), whose sets are weighted by their
+        TMC draw's ``P_TMC``: consistent for any K as TMC draws are added (recommended).
     :param int num_samples: particles per local latent in the inner TMC average.
     :param local_plates: names of the plates that index the test rows: latents inside them are
         the test rows' own. ``None``: the plates whose size differs between the drawn latents and
@@ -106,6 +157,8 @@ def predictive_log_likelihood(
     :rtype: PredictiveLogLikelihood
     :raises ValueError: for draws of different counts, or a site whose draws do not fit it.
     """
+    pools, pool_log_weights = _pools(posterior_samples)
+    posterior_samples = {name: torch.cat([pool[name] for pool in pools]) for name in pools[0]}
     num_draws = _count_draws(posterior_samples)
     with torch.no_grad():
         trial = pyro.poutine.trace(model).get_trace(*args, **kwargs)
@@ -125,18 +178,50 @@ def predictive_log_likelihood(
     with torch.no_grad():
         draw = elbo.draw(conditioned_model, _no_guide, *args, **kwargs)
         log_likelihoods = _log_estimate_per_draw(draw, num_draws)
-    return summarise(log_likelihoods)
+    pool_sizes = [_count_draws(pool) for pool in pools]
+    return summarise(log_likelihoods, pool_sizes, pool_log_weights)
 
 
-def summarise(log_likelihoods: torch.Tensor) -> PredictiveLogLikelihood:
-    """``log mean exp`` of per-draw log-likelihoods, with the delta-method standard error."""
+def summarise(
+    log_likelihoods: torch.Tensor, pool_sizes: Optional[List[int]] = None, pool_log_weights=None
+) -> PredictiveLogLikelihood:
+    """
+    ``log sum_p a_p mean_{s in p} w_s`` of per-draw log-likelihoods ``log w_s`` in pools of
+    draws (one pool: all draws) with pool weights ``a_p`` (softmax of ``pool_log_weights``,
+    else equal), and the delta-method standard error: over the draws for one pool, over
+    the pools for several (the ratio estimator's).
+    """
     num_draws = log_likelihoods.shape[0]
-    log_mean = torch.logsumexp(log_likelihoods, 0) - math.log(num_draws)
-    relative = torch.exp(log_likelihoods - log_mean)  # w_s / mean(w), mean 1
-    if num_draws == 1:
-        return PredictiveLogLikelihood(log_mean, log_mean * math.nan, log_likelihoods)
-    standard_error = relative.std(unbiased=True) / math.sqrt(num_draws)
-    return PredictiveLogLikelihood(log_mean, standard_error, log_likelihoods)
+    pool_sizes = [num_draws] if pool_sizes is None else list(pool_sizes)
+    if pool_log_weights is None:
+        pool_log_weights = log_likelihoods.new_zeros(len(pool_sizes))
+    pool_weights = torch.softmax(torch.as_tensor(pool_log_weights, dtype=log_likelihoods.dtype), 0)
+    sizes = torch.tensor(pool_sizes, dtype=log_likelihoods.dtype)
+    log_weights = torch.repeat_interleave((pool_weights / sizes).log(), torch.tensor(pool_sizes))
+    log_estimate = torch.logsumexp(log_likelihoods + log_weights, 0)
+    relative = torch.exp(log_likelihoods - log_estimate)  # w_s / estimate
+    if len(pool_sizes) > 1:
+        pool_means = torch.stack([part.mean() for part in relative.split(pool_sizes)])
+        standard_error = (pool_weights.square() * (pool_means - 1).square()).sum().sqrt()
+    elif num_draws > 1:
+        standard_error = relative.std(unbiased=True) / math.sqrt(num_draws)
+    else:
+        standard_error = log_estimate * math.nan
+    return PredictiveLogLikelihood(log_estimate, standard_error, log_likelihoods, log_weights)
+
+
+def _pools(posterior_samples) -> Tuple[List[Dict[str, torch.Tensor]], Optional[torch.Tensor]]:
+    """The sets of draws, and their log weights (``None``: equal)."""
+    if isinstance(posterior_samples, PosteriorDraws):
+        return list(posterior_samples.samples), posterior_samples.log_evidences
+    if isinstance(posterior_samples, dict):
+        return [posterior_samples], None
+    pools = list(posterior_samples)
+    if not pools or any(set(pool) != set(pools[0]) for pool in pools):
+        raise ValueError(
+            "predictive_log_likelihood: a list of posterior_samples needs the same sites in each."
+        )
+    return pools, None
 
 
 class FixedSites(Messenger):
