@@ -142,8 +142,9 @@ def run(case: Case, elbo, seed: int = 0, grads: bool = False, repeats: int = 1):
             try:
                 loss = elbo.differentiable_loss(model, guide)
             except ValueError as error:  # TraceEnum_ELBO with no parameter in the loss refuses it
-                if "cannot be differentiated" not in str(error):
+                if "cannot be differentiated" not in str(error) or repeats != 1:
                     raise
+                model, guide = fresh(case, seed)  # the same draws (a subsample) again
                 loss = torch.tensor(elbo.loss(model, guide))
 
             values.append(loss)
