@@ -23,8 +23,11 @@ from typing import Dict, Hashable, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 from torch.distributions import Distribution, Independent
 
+from pyro.poutine import Trace
+
 from . import log_density
-from .proposals import constructor_parameters
+from .proposals import constructor_parameters, proposal_term_rule
+from .sites import guide_only_sites, is_sample, proposal_site
 
 #: the smallest group worth stacking: below this, site by site is as fast
 MIN_GROUP = 4
@@ -178,25 +181,116 @@ def stacked_log_probs(
     return results
 
 
-def batched_log_probs(pairs: Sequence[Tuple[Distribution, torch.Tensor]]) -> List[Optional[torch.Tensor]]:
-    """:func:`stacked_log_probs` as tensors: each pair's slice of its group's stack."""
-    members: Dict[int, tuple] = {}
-    results = []
-    for where in stacked_log_probs(pairs):
-        if where is None:
-            results.append(None)
-            continue
-        stack, index = where
-        if id(stack) not in members:
-            members[id(stack)] = stack.unbind(0)  # one unbind: its backward stacks the gradients once
-        results.append(members[id(stack)][index])
-    return results
-
-
 def stacked_slice(tensor: torch.Tensor) -> Optional[Tuple[torch.Tensor, int]]:
     """
     ``(stack, index)`` if ``tensor`` is ``stack[index]`` of a stack of log factors
-    (a packed factor of :class:`pyro_tmc.factors.SiteDensities`), so that the
+    (a packed factor of :class:`SiteDensities`), so that the
     contraction can take many such slices at once; else ``None``.
     """
     return getattr(tensor, "_tmc_stack", None)
+
+
+class SiteDensities:
+    """
+    Log densities computed for groups of sites at once, kept as ``(stack, index)``
+    by ``id`` of the site dict (:func:`stacked_log_probs`), and their packing, also
+    done once per group: each site's packed factor is then a slice of one stacked
+    tensor and says so (:func:`stacked_slice`), which lets the contraction take a
+    whole chain's links in one operation.
+    """
+
+    def __init__(self, log_p: Dict[int, tuple], log_q: Dict[int, tuple]) -> None:
+        self.log_p = log_p
+        self.log_q = log_q
+        self._members: Dict[int, tuple] = {}  # id(stack) -> (its members, stack)
+        # id(stack) -> (stack less its size-1 dims, its members, kept dims, stack)
+        self._squeezed: Dict[int, tuple] = {}
+        self._terms: Dict[tuple, tuple] = {}  # (id(log q stack), detach, log K) -> (-log q - log K, stack)
+
+    def member(self, stack: torch.Tensor, index: int) -> torch.Tensor:
+        """
+        ``stack[index]``, by one unbind for all members of the stack: its backward
+        stacks their gradients once, where a select per member would write a whole
+        stack-sized gradient for each. (Holding the stack keeps its id unique.)
+        """
+        if id(stack) not in self._members:
+            self._members[id(stack)] = (stack.unbind(0), stack)
+        return self._members[id(stack)][0][index]
+
+    def packed(
+        self, stack: torch.Tensor, index: int, dim_to_symbol: Dict[int, str]
+    ) -> Optional[torch.Tensor]:
+        """
+        ``pack(stack[index], dim_to_symbol)``, as a slice of the stack with its size-1
+        dims squeezed once for all its members; ``None`` where a dim has no symbol
+        (the site's own packing then raises the error that names it).
+        """
+        if id(stack) not in self._squeezed:
+            kept = [d for d in range(1, stack.dim()) if stack.shape[d] > 1]
+            squeezed = stack.reshape((stack.shape[0],) + tuple(stack.shape[d] for d in kept))
+            self._squeezed[id(stack)] = (squeezed, kept, stack)
+        squeezed, kept, _ = self._squeezed[id(stack)]
+        rank = stack.dim() - 1  # a member's rank
+        try:
+            dims = "".join(dim_to_symbol[d - 1 - rank] for d in kept)
+        except KeyError:
+            return None
+        packed = self.member(squeezed, index)
+        packed._pyro_dims = dims
+        packed._tmc_stack = (squeezed, index)
+        return packed
+
+    def proposal_terms(self, where: tuple, detach: bool, log_k: float) -> tuple:
+        """``(-log q - log K, index)`` for the ``log q`` at ``where = (stack, index)``, once per stack."""
+        stack, index = where
+        key = (id(stack), detach, log_k)
+        if key not in self._terms:
+            base = stack.detach() if detach else stack
+            self._terms[key] = (-base - log_k if log_k else -base, stack)
+        return self._terms[key][0], index
+
+    def log_p_factor(self, site, dim_to_symbol: Dict[int, str]) -> Optional[torch.Tensor]:
+        """The site's packed ``log p`` as a slice of its group's stack, or ``None`` if it has none."""
+        where = self.log_p.get(id(site))
+        return None if where is None else self.packed(*where, dim_to_symbol)
+
+    def proposal_factor(self, q_site, detach_guide: bool, dim_to_symbol: Dict[int, str]):
+        """
+        The packed ``-log q - log K`` of proposal ``q_site`` as a slice of one stacked
+        tensor for its group (:func:`~pyro_tmc.proposals.proposal_term_rule`), or ``None``.
+        """
+        where = self.log_q.get(id(q_site))
+        if where is None:
+            return None
+        detach, log_k = proposal_term_rule(q_site, detach_guide)
+        return self.packed(*self.proposal_terms(where, detach, log_k), dim_to_symbol)
+
+
+def site_densities(model_trace: Trace, guide_trace: Trace) -> SiteDensities:
+    """
+    The model's ``log p`` of every sample site, and the ``log q`` of every proposal
+    that drew its particles on its own (no upstream particle dims), for the sites
+    that :func:`stacked_log_probs` can evaluate in groups (the links of a
+    ``pyro.markov`` chain); the others are left out.
+    """
+    p_sites = [
+        site
+        for site in model_trace.nodes.values()
+        if is_sample(site) and not site["args"] and not site["kwargs"]
+    ]
+    proposals = [
+        proposal_site(site["name"], model_trace, guide_trace) for site in p_sites if not site["is_observed"]
+    ]
+    proposals += [guide_trace.nodes[name] for name in guide_only_sites(model_trace, guide_trace)]
+    q_sites = []
+    for site in proposals:
+        draw = site["infer"].get("_tmc_draw")
+        if draw is not None and not draw.parent_dims:
+            q_sites.append(site)
+    # apart: a small model has too few of either to group, and then costs nothing here
+    log_p = stacked_log_probs([(site["fn"], site["value"]) for site in p_sites])
+    log_q = stacked_log_probs([(site["fn"], site["value"]) for site in q_sites])
+    return SiteDensities(
+        {id(s): lp for s, lp in zip(p_sites, log_p) if lp is not None},
+        {id(s): lp for s, lp in zip(q_sites, log_q) if lp is not None},
+    )

@@ -41,8 +41,10 @@ import torch
 from torch.distributions import Distribution
 from torch.distributions.transforms import Transform
 
-from .factors import compute_log_factors, contract_estimate, factor_budget, log_prob_error
+from .checks import log_prob_error
+from .factors import compute_log_factors, contract_estimate
 from .log_einsum import any_flag, deferred_underflow_checks
+from .memory import factor_budget
 from .proposals import ProposalStrategy
 
 MODES = (None, "graph", "inductor")

@@ -80,6 +80,11 @@ class ChunkedFactor:
         return whole
 
 
+def factor_dims(term: Union[torch.Tensor, ChunkedFactor]) -> str:
+    """The packed dims of a factor, whole or chunked."""
+    return term.dims if isinstance(term, ChunkedFactor) else term._pyro_dims
+
+
 def _safe_logsumexp(term: torch.Tensor, dims: List[int]) -> torch.Tensor:
     """logsumexp whose gradient is 0, not NaN, where a whole slice is -inf (as pyro's torch_log)."""
     shift = term.detach().amax(dims, keepdim=True).clamp(min=torch.finfo(term.dtype).min)
@@ -172,10 +177,10 @@ def fuse_factors(factors: Sequence[torch.Tensor], plates: Iterable[str]) -> List
     return fused
 
 
-def _ordinals(factor_dims: Sequence[str], plates: frozenset) -> Dict[str, frozenset]:
+def _ordinals(dims_of_factors: Sequence[str], plates: frozenset) -> Dict[str, frozenset]:
     """Each sum dim's plates: those of every factor (given by its packed dims) that holds it."""
     ordinal: Dict[str, frozenset] = {}
-    for dims in factor_dims:
+    for dims in dims_of_factors:
         own = plates.intersection(dims)
         for dim in set(dims) - plates:
             ordinal[dim] = ordinal.get(dim, own) & own
@@ -213,10 +218,6 @@ class EliminationGroup(NamedTuple):
     summed: frozenset  # particle dims summed inside the message
 
 
-def _dims_of(term: Union[torch.Tensor, ChunkedFactor]) -> str:
-    return term.dims if isinstance(term, ChunkedFactor) else term._pyro_dims
-
-
 def elimination_group(
     lazy: ChunkedFactor, others: Sequence[Union[torch.Tensor, ChunkedFactor]], plates: frozenset
 ) -> EliminationGroup:
@@ -232,18 +233,20 @@ def elimination_group(
 
     :param others: every other factor, tensors and pending chunked factors.
     """
-    ordinal = _ordinals([_dims_of(t) for t in others] + [lazy.dims], plates)
+    ordinal = _ordinals([factor_dims(t) for t in others] + [lazy.dims], plates)
     home = ordinal[lazy.symbol]
     members: List[int] = []
     summed, frontier = {lazy.symbol}, {lazy.symbol}
     group_dims = set(lazy.dims) - plates
     while frontier:
-        joining = [i for i, t in enumerate(others) if i not in members and frontier.intersection(_dims_of(t))]
+        joining = [
+            i for i, t in enumerate(others) if i not in members and frontier.intersection(factor_dims(t))
+        ]
         members += joining
-        group_dims.update(*(set(_dims_of(others[i])) - plates for i in joining))
+        group_dims.update(*(set(factor_dims(others[i])) - plates for i in joining))
         frontier = {d for d in group_dims - summed if not ordinal[d] <= home}
         summed |= frontier
-    outside = set().union(*(_dims_of(t) for i, t in enumerate(others) if i not in members))
+    outside = set().union(*(factor_dims(t) for i, t in enumerate(others) if i not in members))
     kept = {d for d in group_dims - summed if d in outside or ordinal[d] < home}
     return EliminationGroup(members, home, frozenset(kept), frozenset(group_dims - kept))
 

@@ -17,6 +17,8 @@ from typing import Iterator, Optional, Union
 
 import torch
 
+from .shapes import log_prob_shape, particle_shape
+
 #: the default of ``max_factor_bytes``: a share of the available memory
 AUTO = "auto"
 
@@ -131,6 +133,56 @@ def auto_budget_bytes(largest_bytes: int, device: Union[str, torch.device]) -> O
         return None
     budget = max(int(available * AUTO_FRACTION), AUTO_MIN_BYTES)
     return None if largest_bytes <= budget else budget
+
+
+def itemsize() -> int:
+    """Bytes per element of a log factor (the default dtype's)."""
+    return torch.finfo(torch.get_default_dtype()).bits // 8
+
+
+def can_chunk(site) -> bool:
+    """Whether a site's ``log p`` can be built in slices: a latent with more than 2 particles."""
+    return (
+        not site["is_observed"]
+        and "_enumerate_dim" in site["infer"]
+        and particle_shape(site)[site["infer"]["_enumerate_dim"]] > 2
+    )
+
+
+def factor_budget(model_trace, max_factor_elements) -> Optional[int]:
+    """
+    The budget, in elements, for each log factor of a draw: ``max_factor_elements``
+    as given, or under ``"auto"`` (:data:`AUTO`) a share of the memory available on
+    the largest factor's device (:func:`auto_budget_bytes`), read only where that
+    factor is large; ``None`` builds every factor whole.
+
+    :param model_trace: the draw's model trace (its sample sites' shapes are read).
+    :raises FactorMemoryError: under ``"auto"``, where a factor's smallest slice (2
+        particles of its site, or the whole factor if it cannot be sliced) is larger
+        than the memory available.
+    """
+    if max_factor_elements != AUTO:
+        return max_factor_elements
+    sites = [site for site in model_trace.nodes.values() if site["type"] == "sample"]
+    size = itemsize()
+    # a bound first, of C calls only (value and batch both whole): a small model stops here
+    bound = max((site["value"].numel() * site["fn"].batch_shape.numel() for site in sites), default=0)
+    if bound * size <= AUTO_MIN_BYTES:
+        return None
+    sizes = [math.prod(log_prob_shape(site)) for site in sites]  # shape arithmetic only
+    largest = max(range(len(sites)), key=sizes.__getitem__)
+    device = sites[largest]["value"].device
+    budget = auto_budget_bytes(sizes[largest] * size, device)
+    if budget is None:
+        return None
+    available = available_bytes(device)
+    for site, numel in zip(sites, sizes):
+        if numel * size > budget:
+            num_particles = particle_shape(site)[site["infer"]["_enumerate_dim"]] if can_chunk(site) else 2
+            smallest = 2 * numel // num_particles
+            if smallest * size > available:
+                raise factor_memory_error(site["name"], smallest * size, AUTO, available, smallest_slice=True)
+    return budget // size
 
 
 def format_bytes(num_bytes: int) -> str:

@@ -159,9 +159,6 @@ class ParticleDraw:
     :param ProposalStrategy strategy: the proposal strategy used for the parent dims.
     :param tuple parent_dims: the upstream particle dims (negative, relative to the
         right of the site's batch shape) on which the site's distribution depends.
-    :param bool thin: whether the particles were drawn from the distribution
-        indexed by their ancestors (K draws), rather than by the fallback that
-        draws one particle per parent combination and keeps K.
     :param dict ancestors: parent dim -> LongTensor of shape ``(K,) + plate
         shape`` (right-aligned at the particle dim), the ancestor of each particle
         in each plate element.
@@ -171,10 +168,10 @@ class ParticleDraw:
     num_samples: int
     strategy: ProposalStrategy
     parent_dims: Tuple[int, ...]
-    thin: bool
     ancestors: Dict[int, torch.Tensor]
     target_dim: int
-    #: the distribution drawn from and its ancestor-indexed copy, reused while scoring that same distribution
+    #: the distribution drawn from and its ancestor-indexed copy ("thin" sampling: ``None`` where the
+    #: fallback drew one particle per parent combination), reused while scoring that same distribution
     source_fn: Optional[Distribution] = None
     thin_fn: Optional[Distribution] = None
     #: drawn on the one particle dim that every latent shares (IWAE's joint
@@ -337,7 +334,7 @@ def draw_particles(
     if not parent_dims:
         value = fn(sample_shape=torch.Size([num_samples]))
         value = _place_particle_dim(value, batch_shape, event_shape, target_dim)
-        return value, ParticleDraw(num_samples, strategy, (), True, {}, target_dim)
+        return value, ParticleDraw(num_samples, strategy, (), {}, target_dim)
 
     parent_sizes = {d: batch_shape[d] for d in parent_dims}
     device = _device_of(fn)
@@ -355,9 +352,7 @@ def draw_particles(
         picks = dict(ancestors)
         picks[-1 - len(batch_shape)] = _particle_index(num_samples, target_dim, device)
         value = _select_particles(fat, 1 + len(batch_shape), picks, target_dim)
-    draw = ParticleDraw(
-        num_samples, strategy, tuple(parent_dims), thin_fn is not None, ancestors, target_dim, fn, thin_fn
-    )
+    draw = ParticleDraw(num_samples, strategy, tuple(parent_dims), ancestors, target_dim, fn, thin_fn)
     return value, draw
 
 
@@ -376,7 +371,7 @@ def draw_joint_particles(
         value = _place_particle_dim(
             fn(sample_shape=torch.Size([num_samples])), batch_shape, fn.event_shape, target_dim
         )
-    return value, ParticleDraw(num_samples, None, (), True, {}, target_dim, joint=True)
+    return value, ParticleDraw(num_samples, None, (), {}, target_dim, joint=True)
 
 
 def _place_particle_dim(value, batch_shape, event_shape, target_dim):
@@ -415,3 +410,23 @@ def proposal_log_prob(fn: Distribution, value: torch.Tensor, draw: ParticleDraw)
     if not draw.parent_dims:
         return fn.log_prob(value)
     return draw.strategy.log_prob(fn, value, draw)
+
+
+def proposal_term_rule(q_site, detach_guide: bool) -> Tuple[bool, float]:
+    """
+    How the proposal ``q_site`` of a latent enters the latent's factor as
+    ``-log q - log K``: ``(detach, log_k)``.
+
+    - ``detach``: ``log q`` carries no gradient where ``q`` is not reparameterised
+      (DiCE: ``p / stop(q)`` has the score-function gradient of an importance
+      weight, the score of ``q`` cancelling against ``-log q``), or where the
+      caller stops the guide's density (``detach_guide``: the path-gradient
+      estimators take the guide's gradient elsewhere);
+    - ``log_k``: ``log K`` of a sampled site, the average over its particles; 0 for
+      an enumerated or Delta proposal, and for joint samples, whose ``-log K`` is
+      counted once for the whole draw (:func:`pyro_tmc.factors.joint_samples_factor`).
+    """
+    detach = not q_site["is_observed"] and (not q_site["fn"].has_rsample or detach_guide)
+    draw = q_site["infer"].get("_tmc_draw")
+    log_k = 0.0 if draw is None or draw.joint else math.log(draw.num_samples)
+    return detach, log_k

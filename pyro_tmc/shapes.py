@@ -1,4 +1,4 @@
-"""Shape arithmetic on the host, cheaper than torch's for the few dims a site has."""
+"""Shape arithmetic on the host (cheaper than torch's for a site's few dims), and the shapes of a site."""
 
 from typing import Sequence
 
@@ -21,3 +21,24 @@ def broadcast_shape(*shapes: Sequence[int]) -> torch.Size:
                     return torch.broadcast_shapes(*shapes)  # raises, naming the shapes
                 result[i] = size
     return torch.Size(result)
+
+
+def log_prob_shape(site) -> torch.Size:
+    """The shape of a sample site's log density: its value's batch shape broadcast with its distribution's."""
+    value = site["value"]
+    return broadcast_shape(value.shape[: value.dim() - site["fn"].event_dim], site["fn"].batch_shape)
+
+
+def particle_shape(site) -> torch.Size:
+    """
+    The shape of a latent site's particle dim and plates: its value without the
+    event dims, broadcast over its plates (enumerated values are not expanded).
+    """
+    value = site["value"]
+    shape = value.shape[: value.dim() - site["fn"].event_dim]
+    for frame in site["cond_indep_stack"]:
+        if frame.vectorized:
+            plate = [1] * -frame.dim
+            plate[frame.dim] = frame.size
+            shape = broadcast_shape(shape, plate)
+    return shape

@@ -10,8 +10,12 @@ import pyro
 import pyro.distributions as dist
 
 from pyro_tmc import TMC_ELBO, batched_densities
-from pyro_tmc.batched_densities import MIN_GROUP, batched_log_probs
-from pyro_tmc.factors import site_densities
+from pyro_tmc.batched_densities import MIN_GROUP, site_densities, stacked_log_probs
+
+
+def batched_log_probs(pairs):
+    """Each pair's slice of its group's stack (:func:`stacked_log_probs`), or ``None``."""
+    return [None if where is None else where[0][where[1]] for where in stacked_log_probs(pairs)]
 
 
 def _pairs(make, count=MIN_GROUP + 2):

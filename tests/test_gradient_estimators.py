@@ -133,7 +133,7 @@ def _particle_values(problem, elbo):
     """The particles of the guide's first run, per brute-force latent: shape (K,) each."""
     trace = elbo.draw(problem.model, problem.guide).guide_trace
     values = []
-    for name, site in trace.nodes.items():
+    for site in trace.nodes.values():
         if site["type"] == "sample" and not site["is_observed"] and "_tmc_draw" in site["infer"]:
             value = site["value"].detach()
             values.extend(value.reshape(value.shape[0], -1).T)  # one latent per plate element
@@ -341,7 +341,7 @@ def test_path_gradients_stable_for_large_k_and_extreme_weights():
     for vr in (None, "stl", "dregs"):
         elbo = TMC_ELBO(num_samples=1000, max_plate_nesting=0, variance_reduction=vr)
         model_trace, guide_trace = elbo._get_trace(model, guide, (), {})
-        likelihood = compute_log_factors(model_trace, guide_trace)[-1].tensor
+        likelihood = compute_log_factors(model_trace, guide_trace)[-1].term
         assert likelihood.max() - likelihood.min() > 300 and likelihood.max() < -300
         loss = elbo.differentiable_loss(model, guide)
         (grad,) = torch.autograd.grad(loss, [pyro.param("loc").unconstrained()])

@@ -462,7 +462,6 @@ def test_default_budget_leaves_small_models_whole(monkeypatch):
         return 8 * 2**20  # a budget of 1 MiB, where the factor p(z | theta) takes 2 MiB
 
     monkeypatch.setattr(memory, "available_bytes", fake_available)
-    monkeypatch.setattr("pyro_tmc.factors.available_bytes", fake_available)
     x = torch.randn(128)
     pyro.set_rng_seed(0)
     small = TMC_ELBO(64, max_plate_nesting=1).loss(_toy_model, _toy_guide, x)

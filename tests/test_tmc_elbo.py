@@ -123,7 +123,7 @@ def test_thin_sampling_draws_k_particles_only():
         trace = poutine.trace(chain_guide).get_trace()
     z1 = trace.nodes["z1"]
     assert z1["value"].shape == (5, 1)  # its own dim (-2), none for z0 (-1)
-    assert z1["infer"]["_tmc_draw"].thin
+    assert z1["infer"]["_tmc_draw"].thin_fn is not None
     assert z1["infer"]["_tmc_draw"].parent_dims == (-1,)
 
 

@@ -30,21 +30,12 @@ from pyro.poutine import Trace
 from pyro.poutine.util import prune_subsample_sites
 from pyro.util import check_model_guide_match, check_traceenum_requirements
 
+from ..checks import check_finite, check_plate_dependencies, check_site_shapes
 from ..compiled import EstimateProgram
-from ..factors import (
-    LogFactor,
-    carried_scale,
-    check_finite,
-    check_plate_dependencies,
-    check_site_shapes,
-    compute_log_factors,
-    contract_estimate,
-    is_summed_exactly,
-    latent_site,
-    particle_shape,
-    symbolize,
-)
+from ..factors import LogFactor, carried_scale, compute_log_factors, contract_estimate, symbolize
 from ..poutine import TMCMessenger
+from ..shapes import particle_shape
+from ..sites import is_summed_exactly, latent_site
 from .broadcast_check import BroadcastCheck, run_probe
 from .collapse_check import collapse_refusal
 from .path_gradients import marginal_sources, with_leaf_values
@@ -59,7 +50,7 @@ class DrawSettings:
     :param proposal: the proposal strategy (name or :class:`~pyro_tmc.proposals.ProposalStrategy`).
     :param int max_plate_nesting: plate dims right of the particle dims.
     :param max_factor_bytes: a memory budget per log factor in bytes, ``"auto"`` (a share
-        of the memory available: :func:`pyro_tmc.factors.factor_budget`), or ``None``.
+        of the memory available: :func:`pyro_tmc.memory.factor_budget`), or ``None``.
     :param bool joint: every sampled latent shares one particle dim: K joint
         samples of the guide, as IWAE draws them, instead of K per site.
     :param EstimateProgram program: where the estimate is computed by a cached
@@ -333,8 +324,10 @@ def run_with_shape_hint(messenger: TMCMessenger, role: str, run, args, kwargs) -
             raise  # our own errors, and the user's that have nothing to do with shapes
         try:
             hinted = type(error)(str(error) + messenger.shape_error_hint(role))
-        except Exception:  # an exception type that takes other arguments
-            raise error
+        except Exception:  # an exception type that takes other arguments: the error as it came
+            hinted = None
+        if hinted is None:
+            raise
         raise hinted from error
 
 
@@ -405,4 +398,5 @@ def warn_about_summed_guide_sites(guide_trace: Trace) -> None:
                 "and the guide's parameters for it get no gradient. Drop the flag, or set "
                 "infer={'num_samples': K}, to sample it from the guide instead.",
                 UserWarning,
+                stacklevel=4,  # here, run_guide, TMCDraw.run: the loss that drew
             )

@@ -54,7 +54,7 @@ import torch
 from pyro.poutine import Trace
 from pyro.poutine.util import site_is_subsample
 
-from ..factors import is_point_mass_site
+from ..sites import is_point_mass
 
 
 def reparameterised_latents(guide_trace: Trace, estimator: str) -> List[str]:
@@ -122,7 +122,7 @@ def _is_delta_latent(site) -> bool:
     """
     if site["type"] != "sample" or site["is_observed"] or site_is_subsample(site):
         return False
-    return is_point_mass_site(site)
+    return is_point_mass(site)
 
 
 def marginal_sources(sites, particle_shape) -> Dict[str, torch.Tensor]:

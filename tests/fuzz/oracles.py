@@ -385,7 +385,7 @@ def brute_force(case: Case, draw, joint: bool = False) -> dict:
     log_estimate = torch.logsumexp(log_w, 0) - log_k
     posterior = (log_w - torch.logsumexp(log_w, 0)).exp()
     marginals = {}
-    for i, (name, element, options, _) in enumerate(coords):
+    for i, (name, _element, options, _) in enumerate(coords):
         probs = torch.zeros(options, dtype=posterior.dtype).index_add_(0, index[:, i], posterior)
         marginals.setdefault(name, []).append(probs)
     return {
@@ -692,7 +692,7 @@ def invariance_oracle(case: Case, which=None) -> List[Check]:
                     f"variance_reduction={option}",
                     case,
                     reference,
-                    lambda: tmc_elbo(spec, variance_reduction=option),
+                    lambda option=option: tmc_elbo(spec, variance_reduction=option),
                 )
             )
         elif option == "rws":
@@ -704,7 +704,7 @@ def invariance_oracle(case: Case, which=None) -> List[Check]:
                     f"max_factor_bytes={budget}",
                     case,
                     reference,
-                    lambda: tmc_elbo(spec, max_factor_bytes=budget),
+                    lambda budget=budget: tmc_elbo(spec, max_factor_bytes=budget),
                 )
             )
         elif option == "compile":
