@@ -70,7 +70,7 @@ class PredictiveLogLikelihood(NamedTuple):
     :ivar torch.Tensor standard_error: its Monte Carlo standard error, by the delta method: over the
         draws for one set of draws, ``sd_s(w_s) / (sqrt(S) mean_s(w_s))`` with ``w_s = p_hat(y_test |
         theta_s)``; over the pools (each TMC draw's mean of ``w_s``) for several, which also covers the
-        error of each TMC draw's particles.
+        error of each TMC draw's particles; NaN when fewer than 2 sets carry the weight.
     :ivar torch.Tensor log_likelihoods: ``log p_hat(y_test | theta_s)`` for each draw, shape ``(S,)``.
     :ivar torch.Tensor log_weights: ``log a_s`` for each draw, shape ``(S,)``.
     """
@@ -203,6 +203,8 @@ def summarise(
     if len(pool_sizes) > 1:
         pool_means = torch.stack([part.mean() for part in relative.split(pool_sizes)])
         standard_error = (pool_weights.square() * (pool_means - 1).square()).sum().sqrt()
+        if 1 / pool_weights.square().sum() < 2:  # one set carries it all: its spread is unknown
+            standard_error = standard_error * math.nan
     elif num_draws > 1:
         standard_error = relative.std(unbiased=True) / math.sqrt(num_draws)
     else:
