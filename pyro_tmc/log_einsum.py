@@ -107,6 +107,7 @@ def _log_plus_shifts(
     shifted_sum: torch.Tensor,
     shifts: Sequence[torch.Tensor],
     live: Callable[[], torch.Tensor],
+    wide_sum: Callable[[], torch.Tensor],
     exact_at: Callable[[torch.Tensor], torch.Tensor],
     num_terms: int,
 ) -> torch.Tensor:
@@ -114,9 +115,13 @@ def _log_plus_shifts(
     ``log(shifted_sum) + sum(shifts)``, a log-space product, with its underflowed
     entries (a shifted sum of ``num_terms`` terms below :func:`underflow_floor`,
     where ``live()`` holds: finite maxima, so not ``-inf`` for want of terms)
-    replaced by ``exact_at(index)`` (``index``: their multi-indices, one row per
-    entry), in chunks of at most :data:`EXACT_CHUNK_ELEMENTS` terms. Under
-    :func:`deferred_underflow_checks`, nothing is replaced and a flag is recorded.
+    repaired. First, below float64, by ``wide_sum()``: the same shifted product in
+    float64, whose range (down to ``exp(-700)``) holds the spreads seen in
+    practice at the cost of one product, not one per entry. Then the entries
+    still below float64's floor by ``exact_at(index)`` (``index``: their
+    multi-indices, one row per entry), in chunks of at most
+    :data:`EXACT_CHUNK_ELEMENTS` terms. Under :func:`deferred_underflow_checks`,
+    nothing is replaced and a flag is recorded.
     """
     low = shifted_sum < underflow_floor(shifted_sum.dtype, num_terms)
     flags = _DEFERRED_FLAGS.get()
@@ -127,7 +132,13 @@ def _log_plus_shifts(
     if flags is not None:
         flags.append((low & live()).any())
         return result
-    flat = (low & live()).expand(result.shape).reshape(-1).nonzero().squeeze(-1)
+    suspect = low & live()
+    if shifted_sum.dtype != torch.float64 and suspect.any():
+        wide = wide_sum()
+        wide_result = _plus(safe_log(wide), [shift.double() for shift in shifts]).to(result.dtype)
+        result = torch.where(suspect, wide_result, result)
+        suspect = suspect & (wide < underflow_floor(torch.float64, num_terms))
+    flat = suspect.expand(result.shape).reshape(-1).nonzero().squeeze(-1)
     if not flat.numel():
         return result
     chunk = max(1, EXACT_CHUNK_ELEMENTS // max(num_terms, 1))
@@ -202,6 +213,7 @@ def einsum(equation: str, *operands: torch.Tensor) -> torch.Tensor:
         for d, size in zip(dims, operand.shape):
             sizes[d] = max(sizes.get(d, 1), size)
     shifts: List[torch.Tensor] = []
+    own_shifts: List[torch.Tensor] = []
     exps: List[torch.Tensor] = []
     for dims, operand in zip(inputs, operands):
         summed = [i for i, d in enumerate(dims) if d not in output]
@@ -211,6 +223,7 @@ def einsum(equation: str, *operands: torch.Tensor) -> torch.Tensor:
         # an all -inf slice: shift 0 rather than -inf, so that exp gives 0, not NaN
         shift = shift.clamp(min=torch.finfo(shift.dtype).min)
         exps.append((operand - shift).exp())
+        own_shifts.append(shift)
         shifts.append(_shift_to_output(shift, dims, output))
     renamed = "".join(rename.get(c, c) for c in equation)
     shifted_sum = torch.einsum(renamed, *exps)
@@ -222,8 +235,12 @@ def einsum(equation: str, *operands: torch.Tensor) -> torch.Tensor:
     def live() -> torch.Tensor:  # every operand's maximum finite (its shift not clamped)
         return functools.reduce(operator.and_, [shift > floor for shift in shifts])
 
+    def wide_sum() -> torch.Tensor:
+        wide = [(operand.double() - shift.double()).exp() for operand, shift in zip(operands, own_shifts)]
+        return torch.einsum(renamed, *wide)
+
     exact_at = functools.partial(_exact_einsum_entries, inputs, output, operands, sizes)
-    return _log_plus_shifts(shifted_sum, shifts, live, exact_at, num_terms)
+    return _log_plus_shifts(shifted_sum, shifts, live, wide_sum, exact_at, num_terms)
 
 
 tensordot = Tensordot(einsum)
@@ -250,8 +267,11 @@ def log_matmul_exp(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     y_shift = y.detach().amax(-2, keepdim=True).clamp(min=floor)
     shifted_sum = torch.matmul((x - x_shift).exp(), (y - y_shift).exp())
     live = lambda: (x_shift > floor) & (y_shift > floor)  # noqa: E731 (finite maxima: not clamped)
+    wide_sum = lambda: torch.matmul(  # noqa: E731 (the same product in float64)
+        (x.double() - x_shift.double()).exp(), (y.double() - y_shift.double()).exp()
+    )
     exact_at = functools.partial(_exact_matmul_entries, x, y)
-    return _log_plus_shifts(shifted_sum, [x_shift, y_shift], live, exact_at, x.size(-1))
+    return _log_plus_shifts(shifted_sum, [x_shift, y_shift], live, wide_sum, exact_at, x.size(-1))
 
 
 def sequential_log_matmul_exp(logits: torch.Tensor) -> torch.Tensor:
