@@ -16,7 +16,7 @@ from pyro.poutine import Trace
 from pyro.util import check_site_shape
 
 from .shapes import log_prob_shape
-from .sites import is_sample, plate_symbols
+from .sites import is_sample, particle_symbol, plate_symbols
 
 
 def log_prob_error(site, error: ValueError) -> ValueError:
@@ -71,8 +71,7 @@ def _plated_particle_owners(traces: Sequence[Trace]) -> Dict[str, Tuple[str, fro
                 continue  # the shared dim of joint samples is summed outside every plate
             plates = plate_symbols(site, trace)
             if plates:  # a latent outside every plate can be depended on by anything
-                symbol = site["infer"]["_dim_to_symbol"][site["infer"]["_enumerate_dim"]]
-                owners[symbol] = (name, plates)
+                owners[particle_symbol(site)] = (name, plates)
     return owners
 
 

@@ -32,6 +32,7 @@ from pyro.ops.rings import LogRing
 
 from .batched_densities import stacked_slice
 from .log_einsum import safe_log, sequential_log_matmul_exp
+from .shapes import packed_view
 
 
 @dataclass
@@ -131,16 +132,8 @@ class PlateScaledLogRing(LogRing):
         return term
 
 
-def _broadcastable_to(term: torch.Tensor, dims: str) -> torch.Tensor:
-    """View a packed ``term`` (whose dims are a subset of ``dims``) so it broadcasts against ``dims``."""
-    own = [d for d in dims if d in term._pyro_dims]
-    aligned = term.permute(tuple(term._pyro_dims.index(d) for d in own))
-    shape = [aligned.shape[own.index(d)] if d in own else 1 for d in dims]
-    return aligned.reshape(shape)
-
-
 def _add(big: torch.Tensor, small: torch.Tensor) -> torch.Tensor:
-    total = big + _broadcastable_to(small, big._pyro_dims)
+    total = big + packed_view(small, big._pyro_dims)
     total._pyro_dims = big._pyro_dims
     return total
 
@@ -290,7 +283,7 @@ def eliminate_in_chunks(
             terms.append(_zero_factor(terms, unplated))
         terms = fuse_factors(terms, plates)
         msg = _contract(terms, plate_scales, summed | kept, target_ordinal=home, target_dims=kept)
-        return msg.permute(tuple(msg._pyro_dims.index(d) for d in out_dims))
+        return packed_view(msg, out_dims)
 
     # Each slice makes a whole message: a slice smaller than its message would not lower the
     # peak, only multiply the work (slices x message), so none is.
@@ -543,7 +536,7 @@ def _gather_rows(
             by_stack[(id(stack), permutation)].append((j, index, stack))
         else:
             shape = [sizes[d] for d in order]
-            loose.append((j, _broadcastable_to(term, "".join(order)).expand(shape)))
+            loose.append((j, packed_view(term, order).expand(shape)))
     parts: List[Tuple[List[int], torch.Tensor]] = []
     for (_, permutation), members in by_stack.items():
         part = _take_rows(members[0][2], [index for _, index, _ in members])

@@ -36,7 +36,7 @@ from .memory import AUTO, can_chunk, factor_budget, itemsize, naming_the_largest
 from .proposals import proposal_log_prob, proposal_term_rule
 from .scales import ScalePlan, plan_scales
 from .shapes import broadcast_shape, log_prob_shape
-from .sites import guide_only_sites, is_point_mass, is_summed_exactly, proposal_site
+from .sites import guide_only_sites, is_point_mass, is_summed_exactly, particle_symbol, proposal_site
 
 #: the old name of :func:`pyro_tmc.sites.is_point_mass` (read by :mod:`pyro_tmc.infer.posterior`)
 is_point_mass_site = is_point_mass
@@ -170,7 +170,7 @@ def _chunked_log_prob(site, scale, max_factor_elements: int, mask) -> ChunkedFac
     per_particle = math.prod(log_prob_shape(site)) // num_particles
     chunk = max(2, max_factor_elements // max(per_particle, 1))
     dim_to_symbol = site["infer"]["_dim_to_symbol"]
-    symbol = dim_to_symbol[particle_dim]
+    symbol = particle_symbol(site)
 
     def compute(start: int, stop: int) -> torch.Tensor:
         part = value.narrow(batch_ndim + particle_dim, start, stop - start)

@@ -23,6 +23,18 @@ def broadcast_shape(*shapes: Sequence[int]) -> torch.Size:
     return torch.Size(result)
 
 
+def packed_view(term: torch.Tensor, dims: Sequence[str]) -> torch.Tensor:
+    """
+    A packed tensor (``._pyro_dims`` names its dims) viewed with its dims in the
+    order ``dims``, which holds them all, and size 1 at each dim it lacks: it then
+    broadcasts against any tensor laid out over ``dims``. No copy is made.
+    """
+    own = [d for d in dims if d in term._pyro_dims]
+    aligned = term.permute(tuple(term._pyro_dims.index(d) for d in own))
+    sizes = dict(zip(own, aligned.shape))
+    return aligned.reshape([sizes.get(d, 1) for d in dims])
+
+
 def log_prob_shape(site) -> torch.Size:
     """The shape of a sample site's log density: its value's batch shape broadcast with its distribution's."""
     value = site["value"]

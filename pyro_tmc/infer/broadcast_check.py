@@ -26,6 +26,8 @@ import torch
 from pyro.infer.util import is_validation_enabled
 from pyro.poutine import Trace
 
+from ..sites import is_latent
+
 #: Particle counts of the probe, by particle dim from the plates leftwards:
 #: distinct, and odd, so that no count is a common plate size.
 PROBE_COUNTS = (3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 71, 73)
@@ -120,10 +122,10 @@ def _particle_owners(traces) -> Dict[Tuple[int, int], Tuple[str, int]]:
     owners = {}
     for trace in traces:
         for name, site in trace.nodes.items():
-            infer = site["infer"] if site["type"] == "sample" else {}
-            dim = infer.get("_enumerate_dim")
-            if dim is None or site["is_observed"]:
+            if not is_latent(site) or "_enumerate_dim" not in site["infer"]:
                 continue
+            infer = site["infer"]
+            dim = infer["_enumerate_dim"]
             shape = _value_batch_shape(site)
             if -dim <= len(shape):
                 owners[(dim, infer["_dim_to_id"][dim])] = (name, shape[dim])

@@ -34,11 +34,17 @@ from ..checks import check_finite, check_plate_dependencies, check_site_shapes
 from ..compiled import EstimateProgram
 from ..factors import LogFactor, carried_scale, compute_log_factors, contract_estimate, symbolize
 from ..poutine import TMCMessenger
-from ..shapes import particle_shape
-from ..sites import is_summed_exactly, latent_site
+from ..sites import (
+    is_latent,
+    is_summed_exactly,
+    latent_names,
+    marginal_sources,
+    model_or_guide_site,
+    source_weights,
+)
 from .broadcast_check import BroadcastCheck, run_probe
 from .collapse_check import collapse_refusal
-from .path_gradients import marginal_sources, with_leaf_values
+from .path_gradients import with_leaf_values
 
 
 @dataclass
@@ -136,11 +142,11 @@ class TMCDraw:
 
     def site(self, name: str) -> dict:
         """The model's site ``name``, or the guide's when only the guide has it (an auxiliary latent)."""
-        return latent_site(name, self.model_trace, self.guide_trace)
+        return model_or_guide_site(name, self.model_trace, self.guide_trace)
 
     def sources(self, names: List[str]) -> Dict[str, torch.Tensor]:
         """Zero tensors over each named site's particles (see :meth:`marginal_weights`)."""
-        return marginal_sources([self.site(name) for name in names], particle_shape)
+        return marginal_sources([self.site(name) for name in names])
 
     def factors(
         self, sources: Optional[Dict[str, torch.Tensor]] = None, detach_guide_proposals: bool = False
@@ -189,11 +195,11 @@ class TMCDraw:
         grads = torch.autograd.grad(
             log_estimate, list(sources.values()), allow_unused=True, retain_graph=retain_graph
         )
-        weights = {}
-        for (name, source), grad in zip(sources.items(), grads):
-            grad = torch.zeros_like(source) if grad is None else grad
-            weights[name] = grad / carried_scale(self.site(name), self.model_trace)
-        return weights
+        return source_weights(sources, grads, self.carried_scale)
+
+    def carried_scale(self, name: str) -> float:
+        """What multiplies site ``name``'s factor from outside it (:func:`pyro_tmc.factors.carried_scale`)."""
+        return carried_scale(self.site(name), self.model_trace)
 
     # -- the posterior ---------------------------------------------------------------
 
@@ -211,13 +217,6 @@ class TMCDraw:
 
 
 # -- running guide and model ---------------------------------------------------------
-
-
-def latent_site_names(trace: Trace) -> List[str]:
-    """Names of the unobserved sample sites of a trace."""
-    return [
-        name for name, site in trace.nodes.items() if site["type"] == "sample" and not site["is_observed"]
-    ]
 
 
 def traces_of_one_draw(model, guide, args, kwargs, settings: DrawSettings) -> Tuple[Trace, Trace]:
@@ -266,7 +265,7 @@ def continuing_messenger(replayed: Trace, settings: DrawSettings) -> TMCMessenge
     return TMCMessenger(
         settings.num_samples,
         settings.proposal,
-        replayed_sites=latent_site_names(replayed),
+        replayed_sites=latent_names(replayed),
         reserved_dims=particle_dims_of(replayed),
         continue_allocation=True,
         joint_dim=joint_dim(replayed) if settings.joint else None,
@@ -277,10 +276,7 @@ def continuing_messenger(replayed: Trace, settings: DrawSettings) -> TMCMessenge
 def particle_dims_of(trace: Trace) -> Set[int]:
     """Every dim that a latent value of the trace varies along by its particles."""
     return {
-        dim
-        for site in trace.nodes.values()
-        if site["type"] == "sample" and not site["is_observed"]
-        for dim in site["infer"].get("_dim_to_id", {})
+        dim for site in trace.nodes.values() if is_latent(site) for dim in site["infer"].get("_dim_to_id", {})
     }
 
 
@@ -390,7 +386,7 @@ def check_model_guide_shapes_match(model_trace: Trace, guide_trace: Trace, max_p
 def warn_about_summed_guide_sites(guide_trace: Trace) -> None:
     """Warn, naming the site, where a guide site marked for enumeration is summed exactly."""
     for name, site in guide_trace.nodes.items():
-        if site["type"] == "sample" and not site["is_observed"] and is_summed_exactly(site):
+        if is_latent(site) and is_summed_exactly(site):
             warnings.warn(
                 f"Guide site '{name}' is marked infer={{'enumerate': {site['infer'].get('enumerate')!r}}}: "
                 "TMC_ELBO sums it exactly over its support, where the guide's probabilities cancel "

@@ -22,8 +22,8 @@ import torch
 
 from pyro.poutine import Trace
 
-from ..factors import carried_scale
 from ..proposals import proposal_log_prob
+from ..sites import is_latent, source_weights
 from .draw import DrawSettings, TMCDraw
 from .path_gradients import check_factorised, path_surrogate, reparameterised_latents
 
@@ -116,10 +116,7 @@ class StickingTheLanding(GradientEstimator):
         value_grads = dict(zip(draw.leaves, grads[: len(draw.leaves)]))
         weights = event_dims = None
         if sources:
-            weights = {}
-            for (name, source), grad in zip(sources.items(), grads[len(draw.leaves) :]):
-                grad = torch.zeros_like(source) if grad is None else grad
-                weights[name] = grad / carried_scale(draw.site(name), draw.model_trace)
+            weights = source_weights(sources, grads[len(draw.leaves) :], draw.carried_scale)
             event_dims = {name: draw.live_trace.nodes[name]["fn"].event_dim for name in names}
         live_values = {name: draw.live_trace.nodes[name]["value"] for name in names}
         # Model parameters: log P with the guide's density stopped and its particles as leaves.
@@ -159,7 +156,7 @@ class WakeSleep(GradientEstimator):
         return [
             name
             for name, site in live_trace.nodes.items()
-            if site["type"] == "sample" and not site["is_observed"] and "_tmc_draw" in site["infer"]
+            if is_latent(site) and "_tmc_draw" in site["infer"]
         ]
 
     def surrogate(self, draw: TMCDraw) -> torch.Tensor:

@@ -52,9 +52,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from pyro.poutine import Trace
-from pyro.poutine.util import site_is_subsample
 
-from ..sites import is_point_mass
+from ..sites import is_latent, is_point_mass_latent
 
 
 def reparameterised_latents(guide_trace: Trace, estimator: str) -> List[str]:
@@ -66,9 +65,7 @@ def reparameterised_latents(guide_trace: Trace, estimator: str) -> List[str]:
     """
     names = []
     for name, site in guide_trace.nodes.items():
-        if site["type"] != "sample" or site["is_observed"]:
-            continue
-        if "_tmc_draw" not in site["infer"]:
+        if not is_latent(site) or "_tmc_draw" not in site["infer"]:
             continue  # summed exactly (no density, no path), or a plate's subsample
         if not site["fn"].has_rsample:
             raise NotImplementedError(
@@ -109,36 +106,9 @@ def with_leaf_values(
         node["value"] = leaf
         leaf_trace.nodes[name] = node
     for name, site in guide_trace.nodes.items():
-        if name not in leaves and _is_delta_latent(site):
+        if name not in leaves and is_point_mass_latent(site):
             leaf_trace.remove_node(name)
     return leaf_trace, leaves
-
-
-def _is_delta_latent(site) -> bool:
-    """
-    A Delta latent of the guide: its value is a function of other particles. A
-    plate's subsample site has no particle dim either, but it is no latent: it
-    stays, so that the replay scores the minibatch the particles were drawn for.
-    """
-    if site["type"] != "sample" or site["is_observed"] or site_is_subsample(site):
-        return False
-    return is_point_mass(site)
-
-
-def marginal_sources(sites, particle_shape) -> Dict[str, torch.Tensor]:
-    """
-    Zero tensors, one per site, whose gradient will be that site's posterior marginals.
-
-    :param sites: the sites (trace nodes) to read, each with a particle dim.
-    :param particle_shape: site -> the shape of its particle dim and plates.
-    """
-    sources = {}
-    for site in sites:
-        dtype = site["value"].dtype if site["value"].is_floating_point() else torch.get_default_dtype()
-        sources[site["name"]] = torch.zeros(
-            particle_shape(site), dtype=dtype, device=site["value"].device, requires_grad=True
-        )
-    return sources
 
 
 def path_surrogate(

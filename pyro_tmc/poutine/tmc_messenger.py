@@ -5,19 +5,14 @@ import warnings
 from typing import Callable, Collection, Dict, Optional, Set
 
 import torch
-from torch.distributions import Independent
 
-from pyro.distributions import Delta
-from pyro.distributions.torch_distribution import (
-    ExpandedDistribution,
-    MaskedDistribution,
-    TorchDistributionMixin,
-)
+from pyro.distributions.torch_distribution import TorchDistributionMixin
 from pyro.poutine.enum_messenger import EnumMessenger
 from pyro.poutine.runtime import Message
 
 from .._pyro import allocate_particle_dim, make_handler
 from ..proposals import draw_joint_particles, draw_particles, get_proposal
+from ..sites import is_delta, is_marked_for_exact_sum
 
 #: PyTorch tensors hold at most this many dims; particle dims beyond it cannot exist.
 MAX_TENSOR_DIMS = 64
@@ -40,21 +35,6 @@ def check_num_samples(num_samples, where: str, example: str = "") -> int:
             f"{where}: must be a positive integer, got {num_samples!r}. Pass an int >= 1, e.g. {example}."
         )
     return int(num_samples)
-
-
-def is_exactly_enumerated(msg: Message) -> bool:
-    """
-    Whether a latent site is summed exactly over its support rather than sampled:
-    marked ``infer={"enumerate": "parallel"}`` (or ``"sequential"``, summed in
-    parallel: the same value) without ``num_samples``, with a distribution that
-    has enumerable support.
-    """
-    infer = msg["infer"]
-    return (
-        infer.get("enumerate") in ("parallel", "sequential")  # sequential: summed in parallel
-        and "num_samples" not in infer
-        and msg["fn"].has_enumerate_support
-    )
 
 
 #: Names of the sites already warned that their sequential enumeration is summed in parallel.
@@ -100,18 +80,6 @@ def warn_summed_in_parallel(name: str) -> None:
         UserWarning,
         stacklevel=2,
     )
-
-
-def is_point_mass(fn) -> bool:
-    """
-    Whether ``fn`` is a :class:`~pyro.distributions.Delta` (possibly made
-    independent, masked or expanded): its K particles would all be equal, so it
-    gets no particle dim. Its value carries only the particle dims of the
-    values it was computed from (e.g. AutoNormal's auxiliary site).
-    """
-    while isinstance(fn, (Independent, MaskedDistribution, ExpandedDistribution)):
-        fn = fn.base_dist
-    return isinstance(fn, Delta)
 
 
 def check_no_dim_conflict(msg: Message, target_dim: int) -> None:
@@ -233,12 +201,12 @@ class TMCMessenger(EnumMessenger):
         param_dims = self._record_scope(msg)
         if msg["done"] or msg["is_observed"] or msg["name"] in self.replayed_sites:
             return
-        if is_point_mass(msg["fn"]):
+        if is_delta(msg["fn"]):
             return  # drawn as usual: its one value, with its parents' particle dims
         if msg["infer"].get("enumerate") == "sequential":
             check_sequential_summable(msg)
             warn_summed_in_parallel(msg["name"])
-        if is_exactly_enumerated(msg):
+        if is_marked_for_exact_sum(msg):
             target_dim, id_ = self._allocate(msg, param_dims)
             check_no_dim_conflict(msg, target_dim)
             value = _enumerate_support(msg["fn"], target_dim)
