@@ -89,6 +89,15 @@ def test_exact_posterior_draws_give_the_exact_predictive(data):
     assert result.effective_sample_size > 1000
 
 
+def test_one_draw_is_the_plug_in_log_likelihood(data):
+    """One draw and no local latents: exactly sum_i log N(y_i; mu, 1), with no standard error."""
+    _, y_test = data
+    result = predictive_log_likelihood(global_mean_model, {"mu": torch.tensor([0.3])}, y_test)
+    exact = dist.Normal(0.3, 1.0).log_prob(y_test).sum()
+    assert torch.allclose(result.log_likelihood, exact, atol=1e-5)
+    assert math.isnan(float(result.standard_error))
+
+
 def test_tmc_posterior_draws_give_the_exact_predictive(data, fresh_pyro):
     y_train, y_test = data
     mean, variance = _posterior_of_mean(y_train, 1.0)

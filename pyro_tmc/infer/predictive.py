@@ -345,9 +345,9 @@ def _log_estimate_per_draw(draw, num_draws: int) -> torch.Tensor:
         )
     draws_symbol = model_trace.plate_to_symbol[DRAWS_PLATE]
     factors = [factor.term for factor in draw.factors()]
-    plates = frozenset(scales)
+    plates = frozenset(scales) | {draws_symbol}
     tree: "OrderedDict[FrozenSet[str], list]" = OrderedDict()
-    sizes: Dict[str, int] = {}
+    sizes: Dict[str, int] = {draws_symbol: num_draws}  # a single draw's plate has no dim in the factors
     for term in factors:
         sizes.update(zip(term._pyro_dims, term.shape))
         tree.setdefault(plates.intersection(term._pyro_dims), []).append(term)
