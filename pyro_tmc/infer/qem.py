@@ -262,9 +262,11 @@ class QEMGuide:
         """
         store = pyro.get_param_store()
         for name, site in self.sites.items():
-            statistics = torch.stack(
-                [marginals[name].expectation(lambda z, i=i: site.family.statistics(z)[i]) for i in (0, 1)]
+            # both expectations at once: the statistics stacked along a new last dim
+            pair = marginals[name].expectation(
+                lambda z, family=site.family: torch.stack(family.statistics(z), -1)
             )
+            statistics = pair.movedim(-1, 0)
             old = pyro.param(self.param_name(name)).detach()
             store[self.param_name(name)] = old + lr * (statistics.reshape(old.shape).to(old) - old)
 
