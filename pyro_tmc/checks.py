@@ -3,7 +3,7 @@
 - :func:`check_site_shapes`: Pyro's plate-shape checks, as ``TraceEnum_ELBO`` runs them;
 - :func:`check_plate_dependencies`: no site depends on a latent inside a plate it is not in;
 - :func:`check_finite`: where the estimate is not finite, the site responsible;
-- :func:`log_prob_error`: a distribution's complaint about a value, naming the site.
+- :func:`log_prob_error`, :func:`packing_error`: a value or a log density that does not fit, naming the site.
 """
 
 import math
@@ -22,6 +22,16 @@ from .sites import is_sample, particle_symbol, plate_symbols
 def log_prob_error(site, error: ValueError) -> ValueError:
     """A distribution's complaint about a value, naming the site it came from."""
     return ValueError(f"Error while computing log_prob at site '{site['name']}': {error}")
+
+
+def packing_error(site, tensor: torch.Tensor, dim_to_symbol) -> ValueError:
+    """A site's log factor whose shape fits neither its plates nor its particle dims."""
+    return ValueError(
+        f"The log density of site '{site['name']}' has shape {tuple(tensor.shape)}, which does not fit "
+        f"its plates and particle dims (dims {sorted(dim_to_symbol)}): a value was probably "
+        "broadcast so that particles landed on a plate dim or the reverse. See 'Writing models "
+        "for TMC: broadcasting and Vindex' in the README."
+    )
 
 
 def check_site_shapes(model_trace: Trace, guide_trace: Trace, max_plate_nesting) -> None:

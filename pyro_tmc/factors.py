@@ -18,7 +18,6 @@ module is the math; around it, :mod:`pyro_tmc.sites` says which site is what,
 and :mod:`pyro_tmc.checks` holds the checks.
 """
 
-import dataclasses
 import math
 from typing import Dict, List, NamedTuple, Optional, Union
 
@@ -30,16 +29,23 @@ from pyro.poutine import Trace
 
 from . import log_density
 from .batched_densities import SiteDensities, site_densities
-from .checks import log_prob_error
-from .contraction import ChunkedFactor, contract_log_factors, factor_dims
+from .checks import log_prob_error, packing_error
+from .contraction import ChunkedFactor, contract_log_factors
 from .memory import AUTO, can_chunk, factor_budget, itemsize, naming_the_largest_factor, naming_the_site
 from .proposals import proposal_log_prob, proposal_term_rule
-from .scales import ScalePlan, plan_scales
+from .scales import keep_scaled_unit_plates, scale_plan
+from .scales import plate_scales as plate_scales  # re-exported: infer/posterior.py, infer/predictive.py
 from .shapes import broadcast_shape, log_prob_shape
-from .sites import guide_only_sites, is_point_mass, is_summed_exactly, particle_symbol, proposal_site
+from .sites import (
+    guide_only_sites,
+    is_point_mass,
+    is_sample,
+    is_summed_exactly,
+    particle_symbol,
+    proposal_site,
+)
 
-#: the old name of :func:`pyro_tmc.sites.is_point_mass` (read by :mod:`pyro_tmc.infer.posterior`)
-is_point_mass_site = is_point_mass
+is_point_mass_site = is_point_mass  # the old name, read by infer/posterior.py
 
 
 class LogFactor(NamedTuple):
@@ -53,50 +59,14 @@ class LogFactor(NamedTuple):
     term: Union[torch.Tensor, ChunkedFactor]
 
 
-def symbolize(model_trace: Trace, guide_trace: Trace) -> None:
-    """
-    Give every dim of both traces a packed symbol, consistently across the two,
-    and attribute every site's scale to the estimate, its plates or its factor
-    (:func:`pyro_tmc.scales.plan_scales`, kept as ``model_trace.tmc_scales``).
-    """
-    guide_trace.symbolize_dims()
-    model_trace.symbolize_dims(guide_trace.plate_to_symbol)
-    model_trace.tmc_scales = plan_scales(model_trace, guide_trace)
-
-
-def scale_plan(model_trace: Trace) -> ScalePlan:
-    """The trace's :class:`~pyro_tmc.scales.ScalePlan` (see :func:`symbolize`)."""
-    return model_trace.tmc_scales
-
-
-def plate_scales(model_trace: Trace) -> Dict[str, float]:
-    """Plate symbol -> the factor multiplying that plate's product (subsampling and poutine.scale)."""
-    return scale_plan(model_trace).plate_scales
-
-
-def carried_scale(site, model_trace: Trace) -> float:
-    """
-    What multiplies the site's factor from outside it (subsampling, and the
-    poutine.scale carried by the estimate and its plates): the gradient with
-    respect to a source added to the factor is the marginal times this.
-    """
-    return scale_plan(model_trace).carried_scale(site)
-
-
 # -- log p and -log q of one site --------------------------------------------------
 
 
 def _pack(site, tensor: torch.Tensor, dim_to_symbol) -> torch.Tensor:
-    """Pack a site's log factor; a shape that fits neither its plates nor its particle dims names the site."""
     try:
         return pack(tensor, dim_to_symbol)
     except ValueError as error:
-        raise ValueError(
-            f"The log density of site '{site['name']}' has shape {tuple(tensor.shape)}, which does not fit "
-            f"its plates and particle dims (dims {sorted(dim_to_symbol)}): a value was probably "
-            "broadcast so that particles landed on a plate dim or the reverse. See 'Writing models "
-            "for TMC: broadcasting and Vindex' in the README."
-        ) from error
+        raise packing_error(site, tensor, dim_to_symbol) from error
 
 
 def _log_prob(site, value: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -284,7 +254,7 @@ def compute_log_factors(
     :param dict sources: site name -> zero tensor added to that site's factor.
     :param bool detach_guide_proposals: see :func:`site_log_factors`.
     :param max_factor_elements: see :func:`site_log_factors`, or ``"auto"``
-        (:func:`factor_budget`).
+        (:func:`pyro_tmc.memory.factor_budget`).
     :raises FactorMemoryError: naming the site whose factor cannot be allocated.
     """
     sources = {} if sources is None else sources
@@ -292,9 +262,10 @@ def compute_log_factors(
     max_factor_elements = factor_budget(model_trace, max_factor_elements)
     # a memory budget bounds each factor: stacking a group would exceed it
     densities = site_densities(model_trace, guide_trace) if max_factor_elements is None else None
+    plan = scale_plan(model_trace)
     factors = []
     for name, site in model_trace.nodes.items():
-        if site["type"] != "sample":
+        if not is_sample(site):
             continue
         with naming_the_site(name, setting):
             terms = site_log_factors(
@@ -306,56 +277,17 @@ def compute_log_factors(
                 max_factor_elements,
                 densities,
             )
-        for tensor in terms:
-            factors.append(LogFactor(name, _keep_scaled_unit_plates(tensor, site, model_trace)))
+        factors += [LogFactor(name, keep_scaled_unit_plates(t, site, plan.plate_scales)) for t in terms]
     for name in guide_only_sites(model_trace, guide_trace):
         site = guide_trace.nodes[name]
-        extra_scale = scale_plan(model_trace).site_scale(name)
-        for tensor in guide_site_log_factors(
-            site, extra_scale, sources.get(name), detach_guide_proposals, densities
-        ):
-            factors.append(LogFactor(name, _keep_scaled_unit_plates(tensor, site, model_trace)))
+        terms = guide_site_log_factors(
+            site, plan.site_scale(name), sources.get(name), detach_guide_proposals, densities
+        )
+        factors += [LogFactor(name, keep_scaled_unit_plates(t, site, plan.plate_scales)) for t in terms]
     joint = joint_samples_factor(model_trace)
     if joint is not None:
         factors.append(LogFactor("(joint samples)", joint))
     return factors
-
-
-def _keep_scaled_unit_plates(
-    term: Union[torch.Tensor, ChunkedFactor], site, model_trace: Trace
-) -> Union[torch.Tensor, ChunkedFactor]:
-    """
-    The packed ``term`` with a size-1 dim restored for each of the site's plates
-    that has one element and a scale other than 1 (a minibatch of one, the last
-    batch of a loader, ``poutine.scale`` in a plate of size 1). Packing drops
-    size-1 dims, but the plate's scale multiplies the log of the sum over the
-    particles inside it, so the contraction must still see where the plate is.
-    """
-    plate_scales = scale_plan(model_trace).plate_scales
-    dim_to_symbol = site["infer"]["_dim_to_symbol"]
-    missing = []
-    for frame in site["cond_indep_stack"]:
-        if frame.vectorized and frame.size == 1:
-            symbol = dim_to_symbol[frame.dim]
-            if plate_scales.get(symbol, 1.0) != 1.0 and symbol not in factor_dims(term):
-                missing.append(symbol)
-    if not missing:
-        return term
-    if isinstance(term, ChunkedFactor):
-        compute = term.compute
-        return dataclasses.replace(
-            term,
-            dims="".join(missing) + term.dims,
-            compute=lambda a, b: _with_unit_dims(compute(a, b), missing),
-        )
-    return _with_unit_dims(term, missing)
-
-
-def _with_unit_dims(term: torch.Tensor, symbols: List[str]) -> torch.Tensor:
-    """A packed ``term`` with leading size-1 dims named ``symbols``."""
-    widened = term.reshape((1,) * len(symbols) + term.shape)
-    widened._pyro_dims = "".join(symbols) + term._pyro_dims
-    return widened
 
 
 def joint_samples_factor(model_trace: Trace) -> Optional[torch.Tensor]:

@@ -17,16 +17,23 @@ cannot be written so (different scales among sites in the same plates, e.g. a
 KL annealing factor on the latents only) keep the remainder as a *tempering*:
 their log factor is multiplied by it, so the weight carries ``p^s / q^s``, which
 at K = 1 is ``Trace_ELBO``'s scaled ELBO.
+
+:func:`symbolize` plans the scales of a draw once, as it gives the dims their
+packed symbols; :func:`keep_scaled_unit_plates` keeps a scaled plate of one
+element visible in a factor that packing would strip of it.
 """
 
+import dataclasses
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Dict, FrozenSet, List, Tuple
+from typing import Dict, FrozenSet, List, Tuple, Union
 
 import torch
 
 from pyro.poutine import Trace
+
+from .contraction import ChunkedFactor, factor_dims
 
 
 @dataclass
@@ -50,6 +57,36 @@ class ScalePlan:
     def carried_scale(self, site):
         """What multiplies a site's (unscaled) factor from outside it: root, plates, subsampling."""
         return site["scale"] / self.site_scale(site["name"])
+
+
+def symbolize(model_trace: Trace, guide_trace: Trace) -> None:
+    """
+    Give every dim of both traces a packed symbol, consistently across the two,
+    and attribute every site's scale to the estimate, its plates or its factor
+    (:func:`plan_scales`, kept as ``model_trace.tmc_scales``).
+    """
+    guide_trace.symbolize_dims()
+    model_trace.symbolize_dims(guide_trace.plate_to_symbol)
+    model_trace.tmc_scales = plan_scales(model_trace, guide_trace)
+
+
+def scale_plan(model_trace: Trace) -> ScalePlan:
+    """The trace's :class:`ScalePlan` (see :func:`symbolize`)."""
+    return model_trace.tmc_scales
+
+
+def plate_scales(model_trace: Trace) -> Dict[str, float]:
+    """Plate symbol -> the factor multiplying that plate's product (subsampling and poutine.scale)."""
+    return scale_plan(model_trace).plate_scales
+
+
+def carried_scale(site, model_trace: Trace) -> float:
+    """
+    What multiplies the site's factor from outside it (subsampling, and the
+    poutine.scale carried by the estimate and its plates): the gradient with
+    respect to a source added to the factor is the marginal times this.
+    """
+    return scale_plan(model_trace).carried_scale(site)
 
 
 def subsample_scale(site) -> float:
@@ -155,3 +192,39 @@ def _record_residuals(plan: ScalePlan, factor: Dict[str, float], group: List[Sca
         remainder = s / carried
         if not math.isclose(remainder, 1.0, rel_tol=1e-6):
             plan.residual[name] = remainder
+
+
+def keep_scaled_unit_plates(
+    term: Union[torch.Tensor, ChunkedFactor], site, plate_scales: Dict[str, float]
+) -> Union[torch.Tensor, ChunkedFactor]:
+    """
+    The packed ``term`` with a size-1 dim restored for each of the site's plates
+    that has one element and a scale other than 1 (a minibatch of one, the last
+    batch of a loader, ``poutine.scale`` in a plate of size 1). Packing drops
+    size-1 dims, but the plate's scale multiplies the log of the sum over the
+    particles inside it, so the contraction must still see where the plate is.
+    """
+    dim_to_symbol = site["infer"]["_dim_to_symbol"]
+    missing = []
+    for frame in site["cond_indep_stack"]:
+        if frame.vectorized and frame.size == 1:
+            symbol = dim_to_symbol[frame.dim]
+            if plate_scales.get(symbol, 1.0) != 1.0 and symbol not in factor_dims(term):
+                missing.append(symbol)
+    if not missing:
+        return term
+    if isinstance(term, ChunkedFactor):
+        compute = term.compute
+        return dataclasses.replace(
+            term,
+            dims="".join(missing) + term.dims,
+            compute=lambda a, b: _with_unit_dims(compute(a, b), missing),
+        )
+    return _with_unit_dims(term, missing)
+
+
+def _with_unit_dims(term: torch.Tensor, symbols: List[str]) -> torch.Tensor:
+    """A packed ``term`` with leading size-1 dims named ``symbols``."""
+    widened = term.reshape((1,) * len(symbols) + term.shape)
+    widened._pyro_dims = "".join(symbols) + term._pyro_dims
+    return widened

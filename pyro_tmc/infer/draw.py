@@ -32,8 +32,9 @@ from pyro.util import check_model_guide_match, check_traceenum_requirements
 
 from ..checks import check_finite, check_plate_dependencies, check_site_shapes
 from ..compiled import EstimateProgram
-from ..factors import LogFactor, carried_scale, compute_log_factors, contract_estimate, symbolize
+from ..factors import LogFactor, compute_log_factors, contract_estimate
 from ..poutine import TMCMessenger
+from ..scales import carried_scale, symbolize
 from ..sites import (
     is_latent,
     is_summed_exactly,
@@ -198,7 +199,7 @@ class TMCDraw:
         return source_weights(sources, grads, self.carried_scale)
 
     def carried_scale(self, name: str) -> float:
-        """What multiplies site ``name``'s factor from outside it (:func:`pyro_tmc.factors.carried_scale`)."""
+        """What multiplies site ``name``'s factor from outside it (:func:`pyro_tmc.scales.carried_scale`)."""
         return carried_scale(self.site(name), self.model_trace)
 
     # -- the posterior ---------------------------------------------------------------
