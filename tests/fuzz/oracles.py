@@ -730,11 +730,13 @@ def invariance_oracle(case: Case, which=None) -> List[Check]:
                     )
                 )
         elif option == "irrelevant" and spec.chain is not None and not _later_prior_sites(spec):
-            tempered = spec.model_scale is not None and spec.guide_factor is not None
+            # a model scale that a guide factor or an AutoGuide's auxiliary site does not share
+            auxiliary = spec.autoguide in ("AutoNormal", "AutoMultivariateNormal")
+            tempered = spec.model_scale is not None and (spec.guide_factor is not None or auxiliary)
             for kind in ("prior", "enum", "plate", None):
                 if kind == spec.irrelevant or (tempered and "enum" in (kind, spec.irrelevant)):
-                    # a model scale the guide factor does not share tempers each site: an enumerated m
-                    # then gives sum_m p(m)^s != 1 (API.md, poutine.scale), so m is not irrelevant
+                    # tempers each site: an enumerated m then gives sum_m p(m)^s != 1 (API.md,
+                    # poutine.scale), so m is not irrelevant
                     continue
                 other = case.variant(irrelevant=kind)
                 if other.spec.max_plate_nesting != spec.max_plate_nesting:
