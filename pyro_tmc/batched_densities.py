@@ -181,22 +181,13 @@ def stacked_log_probs(
     return results
 
 
-def stacked_slice(tensor: torch.Tensor) -> Optional[Tuple[torch.Tensor, int]]:
-    """
-    ``(stack, index)`` if ``tensor`` is ``stack[index]`` of a stack of log factors
-    (a packed factor of :class:`SiteDensities`), so that the
-    contraction can take many such slices at once; else ``None``.
-    """
-    return getattr(tensor, "_tmc_stack", None)
-
-
 class SiteDensities:
     """
     Log densities computed for groups of sites at once, kept as ``(stack, index)``
     by ``id`` of the site dict (:func:`stacked_log_probs`), and their packing, also
     done once per group: each site's packed factor is then a slice of one stacked
-    tensor and says so (:func:`stacked_slice`), which lets the contraction take a
-    whole chain's links in one operation.
+    tensor, recorded by :meth:`slice_of` (:data:`pyro_tmc.contraction.StackedSlices`),
+    which lets the contraction take a whole chain's links in one operation.
     """
 
     def __init__(self, log_p: Dict[int, tuple], log_q: Dict[int, tuple]) -> None:
@@ -206,6 +197,7 @@ class SiteDensities:
         # id(stack) -> (stack less its size-1 dims, its members, kept dims, stack)
         self._squeezed: Dict[int, tuple] = {}
         self._terms: Dict[tuple, tuple] = {}  # (id(log q stack), detach, log K) -> (-log q - log K, stack)
+        self._slices: Dict[int, tuple] = {}  # id(packed factor) -> (it, its stack, its index)
 
     def member(self, stack: torch.Tensor, index: int) -> torch.Tensor:
         """
@@ -237,8 +229,13 @@ class SiteDensities:
             return None
         packed = self.member(squeezed, index)
         packed._pyro_dims = dims
-        packed._tmc_stack = (squeezed, index)
+        self._slices[id(packed)] = (packed, squeezed, index)
         return packed
+
+    def slice_of(self, term: torch.Tensor) -> Optional[Tuple[torch.Tensor, int]]:
+        """``(stack, index)`` where ``term`` is a packed factor that :meth:`packed` gave, else ``None``."""
+        entry = self._slices.get(id(term))
+        return None if entry is None or entry[0] is not term else entry[1:]
 
     def proposal_terms(self, where: tuple, detach: bool, log_k: float) -> tuple:
         """``(-log q - log K, index)`` for the ``log q`` at ``where = (stack, index)``, once per stack."""

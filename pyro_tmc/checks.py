@@ -129,14 +129,15 @@ def check_finite(
     """
     If the estimate is not finite, find the site responsible.
 
-    :param factors: the draw's :class:`~pyro_tmc.factors.LogFactor` s, ``(site, term)``.
+    :param factors: the draw's :class:`~pyro_tmc.factors.LogFactor` s.
     :raises ValueError: naming the first site whose factor holds a NaN or
         +inf, or is -inf everywhere.
     """
     if torch.isfinite(estimate).all():
         return
-    for site, tensor in factors:
-        has_nan, has_posinf, all_neginf = _non_finite(tensor)
+    for factor in factors:
+        site = factor.site
+        has_nan, has_posinf, all_neginf = _non_finite(factor.term)
         if has_nan:
             node = model_trace.nodes.get(site) if model_trace is not None else None
             if node is not None and node["is_observed"] and torch.isnan(node["value"]).any():

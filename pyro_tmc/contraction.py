@@ -30,7 +30,6 @@ from torch.utils.checkpoint import checkpoint
 from pyro.ops.contract import contract_to_tensor
 from pyro.ops.rings import LogRing
 
-from .batched_densities import stacked_slice
 from .log_einsum import safe_log, sequential_log_matmul_exp
 from .shapes import packed_view
 
@@ -79,6 +78,18 @@ class ChunkedFactor:
         whole = torch.cat(chunks, chunks[0]._pyro_dims.index(self.symbol))
         whole._pyro_dims = chunks[0]._pyro_dims
         return whole
+
+
+#: ``id(term) -> (term, stack, index)`` for the packed factors that are ``stack[index]`` of a stack
+#: of log factors (:class:`pyro_tmc.batched_densities.SiteDensities`), so that the contraction
+#: can take many such slices at once. Each entry holds its factor, which keeps its id unique.
+StackedSlices = Dict[int, Tuple[torch.Tensor, torch.Tensor, int]]
+
+
+def stacked_slice(term: torch.Tensor, stacks: Optional[StackedSlices]) -> Optional[Tuple[torch.Tensor, int]]:
+    """``(stack, index)`` if ``stacks`` says that ``term`` is ``stack[index]``, else ``None``."""
+    entry = None if stacks is None else stacks.get(id(term))
+    return None if entry is None or entry[0] is not term else entry[1:]
 
 
 def factor_dims(term: Union[torch.Tensor, ChunkedFactor]) -> str:
@@ -361,7 +372,9 @@ def _next_to_eliminate(pending: List[ChunkedFactor]) -> int:
 
 
 def contract_log_factors(
-    factors: Sequence[Union[torch.Tensor, ChunkedFactor]], plate_scales: Dict[str, float]
+    factors: Sequence[Union[torch.Tensor, ChunkedFactor]],
+    plate_scales: Dict[str, float],
+    stacks: Optional[StackedSlices] = None,
 ) -> torch.Tensor:
     """
     Sum out every particle dim and multiply out every plate dim of the packed
@@ -371,6 +384,9 @@ def contract_log_factors(
         slice by slice first (:func:`eliminate_in_chunks`).
     :param dict plate_scales: every plate symbol that may occur, with its
         subsampling scale (1.0 when not subsampled).
+    :param stacks: the factors that are slices of one stacked tensor
+        (:data:`StackedSlices`): a chain's links are then taken in one operation
+        per stack (:func:`reduce_chains`).
     :returns: a scalar tensor, the log of the contracted sum-product.
     """
     plates = frozenset(plate_scales)
@@ -387,7 +403,7 @@ def contract_log_factors(
     if _is_one_global_sum(tensors, sum_dims, plates):
         return _contract_one_global_sum(tensors, sum_dims, plate_scales)
     # chains first: their links and the unary factors of their inner dims go into one tree
-    tensors = fuse_factors(reduce_chains(tensors, plates), plates)
+    tensors = fuse_factors(reduce_chains(tensors, plates, stacks), plates)
     sum_dims = set("".join(t._pyro_dims for t in tensors)) - plates
     return _contract(tensors, plate_scales, sum_dims)
 
@@ -469,7 +485,9 @@ def find_chains(
     return chains
 
 
-def reduce_chains(factors: List[torch.Tensor], plates: frozenset) -> List[torch.Tensor]:
+def reduce_chains(
+    factors: List[torch.Tensor], plates: frozenset, stacks: Optional[StackedSlices] = None
+) -> List[torch.Tensor]:
     """
     Contract every chain of pairwise factors (``pyro.markov`` models: z_1 - z_2 - ... - z_N)
     in O(log N) depth (:func:`find_chains`): the links are stacked, each with the
@@ -478,7 +496,7 @@ def reduce_chains(factors: List[torch.Tensor], plates: frozenset) -> List[torch.
     chain is replaced by one factor between its two ends; the ends' unary factors
     stay. Factors that are slices of one stacked tensor (the links' densities,
     evaluated together: :mod:`pyro_tmc.batched_densities`) are taken in one
-    operation per stack, not one per link.
+    operation per stack, not one per link (``stacks``: :data:`StackedSlices`).
     """
     plates = frozenset(plates)
     structure = chain_structure(factors, plates)
@@ -491,12 +509,14 @@ def reduce_chains(factors: List[torch.Tensor], plates: frozenset) -> List[torch.
         batch = sorted(plate_set)
         count = len(nodes) - 1
         link_items = [(j, i) for j in range(count) for i in pairs[frozenset(nodes[j : j + 2])]]
-        links = _gather_rows(factors, link_items, count, functools.partial(_link_dims, batch, nodes), sizes)
+        links = _gather_rows(
+            factors, link_items, count, functools.partial(_link_dims, batch, nodes), sizes, stacks
+        )
         # a link z_j -> z_{j+1} takes the unary factors of z_{j+1} when that dim is inner
         unary_items = [(j, i) for j in range(count - 1) for i in unary[nodes[j + 1]]]
         if unary_items:
             rows = _gather_rows(
-                factors, unary_items, count, functools.partial(_head_dims, batch, nodes), sizes
+                factors, unary_items, count, functools.partial(_head_dims, batch, nodes), sizes, stacks
             )
             links = links + rows.unsqueeze(-2)  # a new tensor: links may be a view of the densities
         product = sequential_log_matmul_exp(links.movedim(0, -3))  # (plates..., links, K, K)
@@ -517,7 +537,12 @@ def _head_dims(batch: List[str], nodes: List[str], j: int) -> List[str]:
 
 
 def _gather_rows(
-    factors: List[torch.Tensor], items: List[Tuple[int, int]], count: int, dims_of, sizes: Dict[str, int]
+    factors: List[torch.Tensor],
+    items: List[Tuple[int, int]],
+    count: int,
+    dims_of,
+    sizes: Dict[str, int],
+    stacks: Optional[StackedSlices] = None,
 ) -> torch.Tensor:
     """
     The sum, per row ``j`` of a new leading dim of length ``count``, of the factors
@@ -529,7 +554,7 @@ def _gather_rows(
     loose: List[Tuple[int, torch.Tensor]] = []
     for j, i in items:
         term, order = factors[i], dims_of(j)
-        where = stacked_slice(term)
+        where = stacked_slice(term, stacks)
         if where is not None and all(d in term._pyro_dims for d in order) and len(order) == term.dim():
             stack, index = where
             permutation = tuple(term._pyro_dims.index(d) for d in order)

@@ -19,7 +19,7 @@ and :mod:`pyro_tmc.checks` holds the checks.
 """
 
 import math
-from typing import Dict, List, NamedTuple, Optional, Union
+from typing import Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 
@@ -52,11 +52,14 @@ class LogFactor(NamedTuple):
     """
     A packed log factor and the site it came from (for error messages). The
     term is a packed tensor, or a :class:`~pyro_tmc.contraction.ChunkedFactor`
-    that computes it slice by slice under a memory budget.
+    that computes it slice by slice under a memory budget; ``stacked`` is
+    ``(stack, index)`` where the term is ``stack[index]`` of its group's stacked
+    densities (:class:`~pyro_tmc.batched_densities.SiteDensities`).
     """
 
     site: str
     term: Union[torch.Tensor, ChunkedFactor]
+    stacked: Optional[Tuple[torch.Tensor, int]] = None
 
 
 # -- log p and -log q of one site --------------------------------------------------
@@ -277,17 +280,24 @@ def compute_log_factors(
                 max_factor_elements,
                 densities,
             )
-        factors += [LogFactor(name, keep_scaled_unit_plates(t, site, plan.plate_scales)) for t in terms]
+        factors += [_log_factor(name, t, site, plan.plate_scales, densities) for t in terms]
     for name in guide_only_sites(model_trace, guide_trace):
         site = guide_trace.nodes[name]
         terms = guide_site_log_factors(
             site, plan.site_scale(name), sources.get(name), detach_guide_proposals, densities
         )
-        factors += [LogFactor(name, keep_scaled_unit_plates(t, site, plan.plate_scales)) for t in terms]
+        factors += [_log_factor(name, t, site, plan.plate_scales, densities) for t in terms]
     joint = joint_samples_factor(model_trace)
     if joint is not None:
         factors.append(LogFactor("(joint samples)", joint))
     return factors
+
+
+def _log_factor(name: str, term, site, plate_scales, densities: Optional[SiteDensities]) -> LogFactor:
+    """A site's term as a :class:`LogFactor`, saying whether it is a slice of a stack."""
+    kept = keep_scaled_unit_plates(term, site, plate_scales)
+    stacked = densities.slice_of(kept) if densities is not None and kept is term else None
+    return LogFactor(name, kept, stacked)
 
 
 def joint_samples_factor(model_trace: Trace) -> Optional[torch.Tensor]:
@@ -321,5 +331,6 @@ def contract_estimate(factors: List[LogFactor], model_trace: Trace) -> torch.Ten
     sizes = [f.term.numel if isinstance(f.term, ChunkedFactor) else f.term.numel() for f in factors]
     largest = max(range(len(factors)), key=sizes.__getitem__)
     with naming_the_largest_factor(factors[largest].site, sizes[largest] * itemsize()):
-        estimate = contract_log_factors([f.term for f in factors], plan.plate_scales)
+        stacks = {id(f.term): (f.term,) + f.stacked for f in factors if f.stacked is not None}
+        estimate = contract_log_factors([f.term for f in factors], plan.plate_scales, stacks)
     return estimate if plan.root == 1.0 else estimate * plan.root

@@ -158,6 +158,8 @@ def test_chain_estimate_equals_site_by_site(monkeypatch, variance_reduction):
     densities = site_densities(draw.model_trace, draw.guide_trace)
     # every y and every z but the first (its prior has other shapes), every q(z)
     assert len(densities.log_p) == 2 * N - 1 and len(densities.log_q) == N
+    # and each of those factors says which stack it is a slice of, for the contraction
+    assert sum(f.stacked is not None for f in draw.factors()) == 3 * N - 1
     stacked = draw.log_estimate()
     stacked_grads = torch.autograd.grad(stacked, params, retain_graph=True)
     monkeypatch.setattr(batched_densities, "MIN_GROUP", 10**9)  # every site on its own

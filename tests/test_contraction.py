@@ -226,7 +226,7 @@ def _stacked_chain_factors(length, size, plate_size=None, shuffle=False, seed=1)
     torch.manual_seed(seed)
     symbols = "".join(opt_einsum.get_symbol(i) for i in range(300, 301 + length))
     plate, shape = ("P", [plate_size]) if plate_size else ("", [])
-    leaves, factors = [], []
+    leaves, factors, stacks = [], [], {}
 
     def stacked(count, member_shape):
         stack = (2 * torch.randn([count] + shape + member_shape)).requires_grad_()
@@ -245,7 +245,7 @@ def _stacked_chain_factors(length, size, plate_size=None, shuffle=False, seed=1)
             term = members[k]
             pair = symbols[j + 1] + symbols[j] if transposed else symbols[j] + symbols[j + 1]
             term._pyro_dims = plate + pair
-            term._tmc_stack = (stack, k)
+            stacks[id(term)] = (term, stack, k)
             factors.append(term)
     loose_link = (2 * torch.randn(shape + [size, size])).requires_grad_()
     loose_link._pyro_dims = plate + symbols[length // 2] + symbols[length // 2 + 1]
@@ -257,14 +257,14 @@ def _stacked_chain_factors(length, size, plate_size=None, shuffle=False, seed=1)
     for j in range(length + 1):
         term = members[j]
         term._pyro_dims = plate + symbols[j]
-        term._tmc_stack = (stack, j)
+        stacks[id(term)] = (term, stack, j)
         factors.append(term)
     for j in range(0, length + 1, 4):  # and a few loose unary terms
         term = torch.randn(shape + [size]).requires_grad_()
         term._pyro_dims = plate + symbols[j]
         leaves.append(term)
         factors.append(term)
-    return factors, leaves, ({"P": 3.0} if plate_size else {})
+    return factors, leaves, ({"P": 3.0} if plate_size else {}), stacks
 
 
 @pytest.mark.parametrize("plate_size", [None, 2])
@@ -273,9 +273,13 @@ def test_stacked_chain_equals_sequential_contraction(plate_size, shuffle, monkey
     """Links and unary terms taken from their stacks in one operation give the sequential result."""
     from pyro_tmc import contraction
 
-    factors, leaves, scales = _stacked_chain_factors(11, 3, plate_size, shuffle)
+    factors, leaves, scales, stacks = _stacked_chain_factors(11, 3, plate_size, shuffle)
     assert len(contraction.find_chains(factors, frozenset(scales))) == 1
-    tree = contraction.contract_log_factors(factors, scales)
+    taken = []
+    take_rows = contraction._take_rows
+    monkeypatch.setattr(contraction, "_take_rows", lambda *a: taken.append(1) or take_rows(*a))
+    tree = contraction.contract_log_factors(factors, scales, stacks)
+    assert len(taken) == 3  # one slice per stack: the two stacks of links, the stack of unary terms
     tree_grads = torch.autograd.grad(tree, leaves, retain_graph=True)
     monkeypatch.setattr(contraction, "MIN_CHAIN_LENGTH", 10**9)  # no tree: opt_einsum's sequential plan
     sequential = contraction.contract_log_factors(factors, scales)
