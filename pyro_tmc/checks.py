@@ -3,6 +3,7 @@
 - :func:`check_site_shapes`: Pyro's plate-shape checks, as ``TraceEnum_ELBO`` runs them;
 - :func:`check_plate_dependencies`: no site depends on a latent inside a plate it is not in;
 - :func:`check_finite`: where the estimate is not finite, the site responsible;
+- :func:`validate_samples`: each value in its distribution's support, eagerly (for ``compile=``);
 - :func:`log_prob_error`, :func:`packing_error`: a value or a log density that does not fit, naming the site.
 """
 
@@ -32,6 +33,23 @@ def packing_error(site, tensor: torch.Tensor, dim_to_symbol) -> ValueError:
         "broadcast so that particles landed on a plate dim or the reverse. See 'Writing models "
         "for TMC: broadcasting and Vindex' in the README."
     )
+
+
+def validate_samples(model_trace: Trace, guide_trace: Trace) -> None:
+    """
+    The checks that ``log_prob`` makes under validation (each value in its
+    distribution's support and of a fitting shape), run eagerly: a graph of the
+    estimate (:mod:`pyro_tmc.compiled`) cannot branch on values, so its
+    distributions skip them.
+    """
+    for trace in (model_trace, guide_trace):
+        for site in trace.nodes.values():
+            fn = site.get("fn")
+            if site["type"] == "sample" and getattr(fn, "_validate_args", False):
+                try:
+                    fn._validate_sample(site["value"])
+                except ValueError as error:
+                    raise log_prob_error(site, error) from error
 
 
 def check_site_shapes(model_trace: Trace, guide_trace: Trace, max_plate_nesting) -> None:

@@ -41,7 +41,7 @@ import torch
 from torch.distributions import Distribution
 from torch.distributions.transforms import Transform
 
-from .checks import log_prob_error
+from .checks import validate_samples
 from .factors import compute_log_factors, contract_estimate
 from .log_einsum import any_flag, deferred_underflow_checks
 from .memory import factor_budget
@@ -130,7 +130,7 @@ def _copied_field_by_field(obj) -> bool:
 
 
 #: fields of those objects that are not part of the plan: validation (a graph never
-#: validates, see validate_samples), and a transform's weak reference to its inverse
+#: validates, see checks.validate_samples), and a transform's weak reference to its inverse
 #: (rebuilt on demand)
 _NOT_PLAN = frozenset(["_validate_args", "_inv"])
 
@@ -181,26 +181,10 @@ def _fill(obj, inputs: List[torch.Tensor]):
         if isinstance(copy, Transform):
             copy._inv = None
         if isinstance(copy, Distribution):
-            # a support check branches on values: it runs eagerly instead (validate_samples)
+            # a support check branches on values: it runs eagerly instead (checks.validate_samples)
             copy._validate_args = False
         return copy
     return obj
-
-
-def validate_samples(draw) -> None:
-    """
-    The checks that ``log_prob`` makes under validation (each value in its
-    distribution's support and of a fitting shape), run eagerly: a graph cannot
-    branch on values, so its distributions skip them.
-    """
-    for trace in (draw.model_trace, draw.guide_trace):
-        for site in trace.nodes.values():
-            fn = site.get("fn")
-            if site["type"] == "sample" and getattr(fn, "_validate_args", False):
-                try:
-                    fn._validate_sample(site["value"])
-                except ValueError as error:
-                    raise log_prob_error(site, error) from error
 
 
 class _TraceView:
@@ -359,7 +343,7 @@ class EstimateProgram:
         """``log P_TMC`` of the draw by its plan's program, or ``None`` where the eager path must run."""
         if factor_budget(draw.model_trace, draw.settings.max_factor_elements()) is not None:
             return None  # chunked factors checkpoint their slices: eager only
-        validate_samples(draw)
+        validate_samples(draw.model_trace, draw.guide_trace)
         flat = flatten_draw(draw, sources, detach_guide_proposals)
         program = self._programs.get(flat.key, _MISSING)
         if program is _MISSING:
