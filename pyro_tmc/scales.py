@@ -118,7 +118,9 @@ def _scaled_sites(model_trace: Trace, guide_trace: Trace) -> List[Tuple[str, Tup
         for name, site in trace.nodes.items():
             if site["type"] != "sample" or not own(name):
                 continue
-            frames = sorted((f for f in site["cond_indep_stack"] if f.vectorized), key=lambda f: -f.dim)
+            # Pyro's stack lists the outermost plate first (dims say nothing of nesting:
+            # an automatic dim goes to the plate entered first, the outer one, as -1)
+            frames = [f for f in site["cond_indep_stack"] if f.vectorized]
             plates = tuple(trace.plate_to_symbol[f.name] for f in frames)
             sites.append((name, plates, site["scale"] / subsample_scale(site)))
     return sites

@@ -12,8 +12,10 @@ import pyro
 import pyro.distributions as dist
 from pyro import poutine
 from pyro.infer import Trace_ELBO, TraceEnum_ELBO
+from pyro.infer.autoguide import AutoNormal
 
 from pyro_tmc import TMC_ELBO, TMC_RWS
+from pyro_tmc.scales import scale_plan
 
 DATA = torch.tensor([0.3, -1.2, 2.0, 0.7])
 
@@ -261,3 +263,31 @@ def test_model_global_before_a_guide_chain_equals_after():
     before = _seeded_loss(_chain_with_global, guide, True)
     after = _seeded_loss(_chain_with_global, guide, False)
     assert before == pytest.approx(after, rel=1e-6)
+
+
+# Found by the fuzzer (seed 901340): a plate's share of poutine.scale went to the outer plate.
+
+
+def _scaled_outer_plate():
+    with pyro.plate("outer", 2, dim=-2), poutine.scale(scale=3.0):
+        z = pyro.sample("z", dist.Gamma(2.9, 1.3))
+        with pyro.plate("data", 2, dim=-1):
+            pyro.sample("x", dist.Normal(z, 0.5), obs=torch.tensor([[0.16, 0.5], [0.2, -0.3]]))
+
+
+def test_scale_shared_by_an_inner_plate_goes_to_the_inner_plate():
+    """
+    AutoNormal's auxiliary site is not scaled, so 'z' alone is tempered, and the scale common to
+    the sites in both plates belongs to the inner plate: on the outer one it would also multiply
+    the already tempered 'z' and the auxiliary site (marginal weights summed to 3).
+    """
+    pyro.clear_param_store()
+    guide = AutoNormal(_scaled_outer_plate)
+    elbo = TMC_ELBO(num_samples=4, max_plate_nesting=2)
+    draw = elbo.draw(_scaled_outer_plate, guide)
+    plan = scale_plan(draw.model_trace)
+    symbol = draw.model_trace.plate_to_symbol
+    assert plan.plate_scales[symbol["data"]] == 3.0 and plan.plate_scales[symbol["outer"]] == 1.0
+    assert plan.residual == {"z": 3.0}
+    total = elbo.compute_marginals(_scaled_outer_plate, guide)["z"].log_weights.exp().sum(-1)
+    assert total.flatten().tolist() == pytest.approx([1.0, 1.0], abs=1e-5)
