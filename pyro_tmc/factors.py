@@ -34,7 +34,6 @@ from .contraction import ChunkedFactor, contract_log_factors
 from .memory import AUTO, can_chunk, factor_budget, itemsize, naming_the_largest_factor, naming_the_site
 from .proposals import proposal_log_prob, proposal_term_rule
 from .scales import keep_scaled_unit_plates, scale_plan
-from .scales import plate_scales as plate_scales  # re-exported: infer/posterior.py, infer/predictive.py
 from .shapes import broadcast_shape, log_prob_shape
 from .sites import (
     guide_only_sites,
@@ -44,8 +43,6 @@ from .sites import (
     particle_symbol,
     proposal_site,
 )
-
-is_point_mass_site = is_point_mass  # the old name, read by infer/posterior.py
 
 
 class LogFactor(NamedTuple):

@@ -27,9 +27,10 @@ def packed_view(term: torch.Tensor, dims: Sequence[str]) -> torch.Tensor:
     """
     A packed tensor (``._pyro_dims`` names its dims) viewed with its dims in the
     order ``dims``, which holds them all, and size 1 at each dim it lacks: it then
-    broadcasts against any tensor laid out over ``dims``. No copy is made.
+    broadcasts against any tensor laid out over ``dims``. An empty name in ``dims``
+    is a slot no dim fills (size 1). No copy is made.
     """
-    own = [d for d in dims if d in term._pyro_dims]
+    own = [d for d in dims if d and d in term._pyro_dims]  # "" is in every string
     aligned = term.permute(tuple(term._pyro_dims.index(d) for d in own))
     sizes = dict(zip(own, aligned.shape))
     return aligned.reshape([sizes.get(d, 1) for d in dims])

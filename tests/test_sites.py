@@ -32,6 +32,15 @@ def test_packed_view_orders_dims_and_adds_unit_dims():
     assert view.data_ptr() == term.data_ptr()  # a view, no copy
 
 
+def test_packed_view_leaves_an_empty_slot_at_size_one():
+    """An unplated slot is named "" (posterior read-outs); "" is in every string, yet holds no dim."""
+    term = torch.arange(6.0).reshape(2, 3)
+    term._pyro_dims = "ab"
+    view = packed_view(term, ["b", "", "a"])
+    assert view.shape == (3, 1, 2)
+    assert torch.equal(view[:, 0, :], term.T)
+
+
 def test_source_weights_divide_by_the_carried_scale():
     sources = {"a": torch.zeros(3), "b": torch.zeros(2)}
     grads = [torch.tensor([2.0, 4.0, 6.0]), None]

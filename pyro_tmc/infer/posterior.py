@@ -20,6 +20,7 @@ the ``num_draws`` draws conditions its own copy of the factors, held as a batch
 site.
 """
 
+import math
 from collections import OrderedDict
 from typing import Callable, Dict, List, Tuple
 
@@ -29,7 +30,16 @@ from pyro.distributions import Categorical, Empirical
 from pyro.poutine import Trace
 
 from ..contraction import contract_log_factors
-from ..factors import guide_only_sites, is_point_mass_site, plate_scales
+from ..scales import plate_scales
+from ..shapes import packed_view
+from ..sites import (
+    guide_only_sites,
+    is_latent,
+    is_point_mass,
+    is_point_mass_latent,
+    particle_symbol,
+    source_weights,
+)
 
 #: the packed symbol of the draws' batch dim (outside opt_einsum's generated range)
 DRAWS = "\u2203"
@@ -37,11 +47,7 @@ DRAWS = "\u2203"
 
 def latent_sites(model_trace: Trace) -> List[str]:
     """Latent sites that carry particles (or enumerated values), in the order they were drawn."""
-    return [
-        name
-        for name, site in model_trace.nodes.items()
-        if site["type"] == "sample" and not site["is_observed"] and "_enumerate_dim" in site["infer"]
-    ]
+    return [name for name, site in model_trace.nodes.items() if is_latent(site) and not is_point_mass(site)]
 
 
 def particle_sites(model_trace: Trace, guide_trace: Trace) -> List[dict]:
@@ -53,18 +59,14 @@ def particle_sites(model_trace: Trace, guide_trace: Trace) -> List[dict]:
     sites = [model_trace.nodes[name] for name in latent_sites(model_trace)]
     for name in guide_only_sites(model_trace, guide_trace):
         site = guide_trace.nodes[name]
-        if not site["is_observed"] and "_enumerate_dim" in site["infer"]:
+        if is_latent(site) and not is_point_mass(site):
             sites.append(site)
     return sites
 
 
 def point_mass_sites(model_trace: Trace) -> List[str]:
     """Model latents with no particle dim of their own (Delta guide sites: AutoDelta, AutoNormal)."""
-    return [
-        name
-        for name, site in model_trace.nodes.items()
-        if site["type"] == "sample" and not site["is_observed"] and is_point_mass_site(site)
-    ]
+    return [name for name, site in model_trace.nodes.items() if is_point_mass_latent(site)]
 
 
 def _carried_particle_dims(site, plate_to_symbol: Dict[str, str]) -> Dict[str, int]:
@@ -88,7 +90,7 @@ def _plate_shape(site) -> Tuple[int, ...]:
     return tuple(shape)
 
 
-def _plate_symbols(site, plate_to_symbol: Dict[str, str]) -> List[str]:
+def _plate_slot_symbols(site, plate_to_symbol: Dict[str, str]) -> List[str]:
     """The packed symbol at each of the site's plate dims ('' where no plate sits)."""
     frames = [f for f in site["cond_indep_stack"] if f.vectorized]
     symbols = [""] * len(_plate_shape(site))
@@ -186,7 +188,7 @@ def marginals_and_log_estimate(draw) -> Tuple["OrderedDict[str, Empirical]", tor
         name = site["name"]
         weights = all_weights[name]
         log_weights = _particles_last(site, weights.clamp(min=0).log(), 0)
-        symbol = site["infer"]["_dim_to_symbol"][site["infer"]["_enumerate_dim"]]
+        symbol = particle_symbol(site)
         log_weights_of[symbol] = log_weights
         if name in model_trace.nodes:
             samples = _particles_last(site, site["value"].detach(), site["fn"].event_dim)
@@ -238,9 +240,8 @@ def _condition(term: torch.Tensor, symbol: str, index: torch.Tensor) -> torch.Te
 def _laid_out(
     term: torch.Tensor, dims: List[str], sizes: Dict[str, int], expand_to: List[str]
 ) -> torch.Tensor:
-    own = [d for d in dims if d in term._pyro_dims]
-    tensor = term.permute(tuple(term._pyro_dims.index(d) for d in own))
-    tensor = tensor.reshape([sizes[d] if d in own else 1 for d in dims])
+    """``term`` viewed over ``dims`` (:func:`~pyro_tmc.shapes.packed_view`), expanded on ``expand_to``."""
+    tensor = packed_view(term, dims)
     shape = [sizes[d] if d in expand_to else tensor.shape[i] for i, d in enumerate(dims)]
     return tensor.expand(shape)
 
@@ -262,7 +263,7 @@ def sample_posterior(draw, num_draws: int) -> Dict[str, torch.Tensor]:
         factors = [f.term for f in draw.factors()]
     draws, indices = {}, {}
     for site in particle_sites(model_trace, guide_trace):
-        symbol = site["infer"]["_dim_to_symbol"][site["infer"]["_enumerate_dim"]]
+        symbol = particle_symbol(site)
         index = _draw_particle(factors, scales, site, symbol, num_draws)
         factors = [_condition(t, symbol, index) for t in factors]
         indices[symbol] = index
@@ -286,7 +287,7 @@ def _gather_point_mass(
     event_dim = site["fn"].event_dim
     batch_ndim = value.dim() - event_dim
     plates = _plate_shape(site)
-    symbols = [DRAWS] + _plate_symbols(site, plate_to_symbol)
+    symbols = [DRAWS] + _plate_slot_symbols(site, plate_to_symbol)
     out_shape = (num_draws,) + plates
     carried = {dim: symbol for symbol, dim in _carried_particle_dims(site, plate_to_symbol).items()}
     index = []
@@ -295,20 +296,13 @@ def _gather_point_mass(
         if size == 1:
             index.append(torch.zeros((), dtype=torch.long, device=value.device))
         elif dim in carried:
-            index.append(_to_out_dims(indices[carried[dim]], symbols))
+            index.append(packed_view(indices[carried[dim]], symbols))
         else:  # a plate dim: keep it in place
             position = len(out_shape) + dim
             index.append(torch.arange(size, device=value.device).reshape((size,) + (1,) * (-dim - 1)))
             assert out_shape[position] == size
     picked = value[tuple(index)] if index else value
     return picked.expand(out_shape + value.shape[batch_ndim:])
-
-
-def _to_out_dims(index: torch.Tensor, symbols: List[str]) -> torch.Tensor:
-    """A packed index tensor viewed over ``symbols`` (size 1 where it lacks one)."""
-    own = [d for d in symbols if d and d in index._pyro_dims]
-    tensor = index.permute(tuple(index._pyro_dims.index(d) for d in own))
-    return tensor.reshape([tensor.shape[own.index(d)] if d in own else 1 for d in symbols])
 
 
 def _with_draws_where_needed(factors: List[torch.Tensor], num_draws: int, plates) -> List[torch.Tensor]:
@@ -360,11 +354,11 @@ def _draw_particle(factors, scales, site, symbol: str, num_draws: int) -> torch.
     source._pyro_dims = "".join(dims)
     with torch.enable_grad():
         log_p = contract_log_factors(list(factors) + [source], scales)
-        (marginal,) = torch.autograd.grad(log_p, [source])
-    plate_scale = 1.0
-    for d in plates:
-        plate_scale *= scales[d]
-    probs = (marginal / plate_scale).clamp(min=0).movedim(dims.index(symbol), -1)  # ([draws,] plates..., K)
+        grads = torch.autograd.grad(log_p, [source])
+    # What scales the source from outside: the plates it sits in (the factors keep no tempering).
+    plate_scale = math.prod(scales[d] for d in plates)
+    (marginal,) = source_weights({symbol: source}, grads, lambda _: plate_scale).values()
+    probs = marginal.clamp(min=0).movedim(dims.index(symbol), -1)  # ([draws,] plates..., K)
     index = Categorical(probs=probs).sample(() if per_draw else (num_draws,))
     index._pyro_dims = DRAWS + "".join(plates)
     return index
@@ -375,15 +369,9 @@ def _gather_values(site, index: torch.Tensor, plate_to_symbol: Dict[str, str]) -
     event_dim = site["fn"].event_dim
     values = _particles_last(site, site["value"].detach(), event_dim)  # plates + (K,) + event
     plates = _plate_shape(site)
-    symbols = _plate_symbols(site, plate_to_symbol)
-    # An unplated slot's symbol is "" (a dim of size 1 under an outer plate); "" is in every
-    # string, so test for it before asking whether the index holds that dim.
-    index_dims = index._pyro_dims
-    held = [bool(symbol) and symbol in index_dims for symbol in symbols]
-    present = [DRAWS] + [symbol for symbol, is_held in zip(symbols, held) if is_held]
-    index = index.permute(tuple(index_dims.index(d) for d in present))
-    plate_sizes = tuple(size if is_held else 1 for size, is_held in zip(plates, held))
-    index = index.reshape(index.shape[:1] + plate_sizes)
+    symbols = _plate_slot_symbols(site, plate_to_symbol)
+    # An unplated slot's symbol is "" (a dim of size 1 under an outer plate): packed_view leaves it 1.
+    index = packed_view(index, [DRAWS] + symbols)
     index = index.expand(index.shape[:1] + plates)
     values = values.expand(index.shape[:1] + values.shape)
     picks = index.reshape(index.shape + (1,) * (event_dim + 1))

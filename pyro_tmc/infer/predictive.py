@@ -42,7 +42,8 @@ from pyro.ops.rings import LogRing
 from pyro.poutine import Trace
 from pyro.poutine.messenger import Messenger
 
-from ..factors import plate_scales, scale_plan
+from ..scales import plate_scales, scale_plan
+from ..sites import is_latent
 from .tmc_elbo import TMC_ELBO
 
 #: the plate that holds the posterior draws in the test run
@@ -167,7 +168,7 @@ def predictive_log_likelihood(
     fixed = {
         name: _batched_over_draws(posterior_samples[name], site, nesting)
         for name, site in trial.nodes.items()
-        if _is_latent(site) and name in posterior_samples and not (_plate_names(site) & local)
+        if is_latent(site) and name in posterior_samples and not (_plate_names(site) & local)
     }
 
     def conditioned_model(*model_args, **model_kwargs):
@@ -250,10 +251,6 @@ def _no_guide(*args, **kwargs) -> None:
     """No guide: every latent left free is drawn from the model's conditional."""
 
 
-def _is_latent(site: dict) -> bool:
-    return site["type"] == "sample" and not site["is_observed"]
-
-
 def _plate_frames(site: dict):
     return [frame for frame in site["cond_indep_stack"] if frame.vectorized]
 
@@ -294,7 +291,7 @@ def _local_plates(trial: Trace, posterior_samples, local_plates) -> FrozenSet[st
         return frozenset([local_plates] if isinstance(local_plates, str) else local_plates)
     changed, shared = set(), set()
     for name, site in trial.nodes.items():
-        if not _is_latent(site) or name not in posterior_samples:
+        if not is_latent(site) or name not in posterior_samples:
             continue
         for frame in _plate_frames(site):
             same = _drawn_size(posterior_samples[name], site, frame.dim) == frame.size

@@ -42,6 +42,7 @@ import pyro.distributions as dist
 from pyro import poutine
 from pyro.poutine.util import prune_subsample_sites
 
+from ..sites import is_latent
 from .posterior import marginals_and_log_estimate
 from .tmc_elbo import TMC_ELBO
 
@@ -205,7 +206,7 @@ class QEMGuide:
         prototype = prune_subsample_sites(prototype)
         self.sites = {}
         for name, site in prototype.nodes.items():
-            if site["type"] != "sample" or site["is_observed"] or site["fn"].support.is_discrete:
+            if not is_latent(site) or site["fn"].support.is_discrete:
                 continue
             family = self._family(site)
             self.sites[name] = QEMSite(
