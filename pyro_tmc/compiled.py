@@ -46,6 +46,7 @@ from .factors import compute_log_factors, contract_estimate
 from .log_einsum import any_flag, deferred_underflow_checks
 from .memory import factor_budget
 from .proposals import ProposalStrategy
+from .scales import ScalePlan
 
 MODES = (None, "graph", "inductor")
 
@@ -188,12 +189,10 @@ def _fill(obj, inputs: List[torch.Tensor]):
 
 
 class _TraceView:
-    """What the factor code reads of a trace: its sample sites and (model) scale plan."""
+    """What the factor code reads of a trace: its sample sites."""
 
-    def __init__(self, nodes, tmc_scales=None) -> None:
+    def __init__(self, nodes) -> None:
         self.nodes = nodes
-        if tmc_scales is not None:
-            self.tmc_scales = tmc_scales
 
 
 @dataclasses.dataclass
@@ -207,9 +206,10 @@ class FlatDraw:
     key: tuple
     tensor_attributes: List[dict]
 
-    def traces(self, inputs: List[torch.Tensor]) -> Tuple[_TraceView, _TraceView]:
+    def traces(self, inputs: List[torch.Tensor]) -> Tuple[_TraceView, _TraceView, ScalePlan]:
+        """The draw's (model, guide) traces and scale plan, around ``inputs``."""
         model_nodes, guide_nodes, scales = _fill(self.template, inputs)
-        return _TraceView(model_nodes, scales), _TraceView(guide_nodes)
+        return _TraceView(model_nodes), _TraceView(guide_nodes), scales
 
 
 def _sample_sites(flattener: _Flattener, trace) -> dict:
@@ -222,7 +222,7 @@ def flatten_draw(draw, sources: Optional[Dict[str, torch.Tensor]], detach_guide_
     template = (
         _sample_sites(flattener, draw.model_trace),
         _sample_sites(flattener, draw.guide_trace),
-        flattener.walk(draw.model_trace.tmc_scales),
+        flattener.walk(draw.scales),
     )
     source_template = flattener.walk(dict(sources or {}))
     flattener.key.append(("detach", detach_guide_proposals, torch.get_default_dtype()))
@@ -242,14 +242,14 @@ def _estimate_function(flat: FlatDraw, settings, detach_guide_proposals: bool) -
         for tensor, attributes in zip(inputs, flat.tensor_attributes):
             for name, value in attributes.items():
                 setattr(tensor, name, value)
-        model_trace, guide_trace = flat.traces(inputs)
+        model_trace, guide_trace, scales = flat.traces(inputs)
         sources = _fill(flat.source_template, inputs)
         # no branch on values while tracing: each log-space product flags its underflow instead
         with deferred_underflow_checks() as flags:
             factors = compute_log_factors(
-                model_trace, guide_trace, sources, detach_guide_proposals, max_factor_elements
+                model_trace, guide_trace, scales, sources, detach_guide_proposals, max_factor_elements
             )
-            log_estimate = contract_estimate(factors, model_trace)
+            log_estimate = contract_estimate(factors, scales)
         return log_estimate, any_flag(flags, log_estimate)
 
     return estimate

@@ -33,7 +33,7 @@ from .checks import log_prob_error, packing_error
 from .contraction import ChunkedFactor, contract_log_factors
 from .memory import AUTO, can_chunk, factor_budget, itemsize, naming_the_largest_factor, naming_the_site
 from .proposals import proposal_log_prob, proposal_term_rule
-from .scales import keep_scaled_unit_plates, scale_plan
+from .scales import ScalePlan, keep_scaled_unit_plates
 from .shapes import broadcast_shape, log_prob_shape
 from .sites import (
     guide_only_sites,
@@ -159,6 +159,7 @@ def site_log_factors(
     name: str,
     model_trace: Trace,
     guide_trace: Trace,
+    scale=1.0,
     source: Optional[torch.Tensor] = None,
     detach_guide_proposal: bool = False,
     max_factor_elements: Optional[int] = None,
@@ -176,6 +177,10 @@ def site_log_factors(
     has it); the sites that depend on it carry the mask. A latent whose guide
     site is a Delta has no particles: its factor is ``log p - log q_delta``.
 
+    :param scale: the tempering left on the site's factor
+        (:meth:`~pyro_tmc.scales.ScalePlan.site_scale`): plate subsampling and
+        poutine.scale common to a plate or the model act on the log of the sum over
+        particles instead (:mod:`pyro_tmc.scales`).
     :param torch.Tensor source: an optional zero tensor added to the factor; the
         gradient of log P_TMC with respect to it is the posterior marginal of the
         site's particles (the autodiff identity of the alan library).
@@ -189,9 +194,6 @@ def site_log_factors(
     """
     site = model_trace.nodes[name]
     dim_to_symbol = site["infer"]["_dim_to_symbol"]
-    # Plate subsampling and poutine.scale common to a plate or the model act on the
-    # log of the sum over particles (scales.py); what is left weights this factor.
-    scale = scale_plan(model_trace).site_scale(name)
     q_site = None if site["is_observed"] else proposal_site(name, model_trace, guide_trace)
     if q_site is site and is_point_mass(site):
         return []  # a model-only Delta proposes itself: p / q = 1
@@ -240,6 +242,7 @@ def guide_site_log_factors(
 def compute_log_factors(
     model_trace: Trace,
     guide_trace: Trace,
+    scales: ScalePlan,
     sources: Optional[Dict[str, torch.Tensor]] = None,
     detach_guide_proposals: bool = False,
     max_factor_elements: Optional[int] = None,
@@ -251,6 +254,7 @@ def compute_log_factors(
     :param Trace model_trace: the model run under ``tmc`` against the guide's
         particles, with ``symbolize`` applied.
     :param Trace guide_trace: the guide run under ``tmc``.
+    :param ScalePlan scales: the draw's scale plan (:func:`pyro_tmc.scales.symbolize`).
     :param dict sources: site name -> zero tensor added to that site's factor.
     :param bool detach_guide_proposals: see :func:`site_log_factors`.
     :param max_factor_elements: see :func:`site_log_factors`, or ``"auto"``
@@ -262,7 +266,6 @@ def compute_log_factors(
     max_factor_elements = factor_budget(model_trace, max_factor_elements)
     # a memory budget bounds each factor: stacking a group would exceed it
     densities = site_densities(model_trace, guide_trace) if max_factor_elements is None else None
-    plan = scale_plan(model_trace)
     factors = []
     for name, site in model_trace.nodes.items():
         if not is_sample(site):
@@ -272,18 +275,19 @@ def compute_log_factors(
                 name,
                 model_trace,
                 guide_trace,
+                scales.site_scale(name),
                 sources.get(name),
                 detach_guide_proposals,
                 max_factor_elements,
                 densities,
             )
-        factors += [_log_factor(name, t, site, plan.plate_scales, densities) for t in terms]
+        factors += [_log_factor(name, t, site, scales.plate_scales, densities) for t in terms]
     for name in guide_only_sites(model_trace, guide_trace):
         site = guide_trace.nodes[name]
         terms = guide_site_log_factors(
-            site, plan.site_scale(name), sources.get(name), detach_guide_proposals, densities
+            site, scales.site_scale(name), sources.get(name), detach_guide_proposals, densities
         )
-        factors += [_log_factor(name, t, site, plan.plate_scales, densities) for t in terms]
+        factors += [_log_factor(name, t, site, scales.plate_scales, densities) for t in terms]
     joint = joint_samples_factor(model_trace)
     if joint is not None:
         factors.append(LogFactor("(joint samples)", joint))
@@ -319,15 +323,14 @@ def joint_samples_factor(model_trace: Trace) -> Optional[torch.Tensor]:
     return None
 
 
-def contract_estimate(factors: List[LogFactor], model_trace: Trace) -> torch.Tensor:
-    """log P_TMC: the factors contracted with the trace's plate scales, times its root scale."""
-    plan = scale_plan(model_trace)
+def contract_estimate(factors: List[LogFactor], scales: ScalePlan) -> torch.Tensor:
+    """log P_TMC: the factors contracted with the draw's plate scales, times its root scale."""
     if not factors:
-        return contract_log_factors([], plan.plate_scales)
+        return contract_log_factors([], scales.plate_scales)
     # an allocation failing in the contraction is named after the largest factor
     sizes = [f.term.numel if isinstance(f.term, ChunkedFactor) else f.term.numel() for f in factors]
     largest = max(range(len(factors)), key=sizes.__getitem__)
     with naming_the_largest_factor(factors[largest].site, sizes[largest] * itemsize()):
         stacks = {id(f.term): (f.term,) + f.stacked for f in factors if f.stacked is not None}
-        estimate = contract_log_factors([f.term for f in factors], plan.plate_scales, stacks)
-    return estimate if plan.root == 1.0 else estimate * plan.root
+        estimate = contract_log_factors([f.term for f in factors], scales.plate_scales, stacks)
+    return estimate if scales.root == 1.0 else estimate * scales.root

@@ -55,38 +55,25 @@ class ScalePlan:
         return self.residual.get(name, 1.0)
 
     def carried_scale(self, site):
-        """What multiplies a site's (unscaled) factor from outside it: root, plates, subsampling."""
+        """
+        What multiplies a site's (unscaled) factor from outside it: root, plates,
+        subsampling. The gradient with respect to a source added to the factor is
+        the site's marginal times this.
+        """
         return site["scale"] / self.site_scale(site["name"])
 
 
-def symbolize(model_trace: Trace, guide_trace: Trace) -> None:
+def symbolize(model_trace: Trace, guide_trace: Trace) -> ScalePlan:
     """
     Give every dim of both traces a packed symbol, consistently across the two,
-    and attribute every site's scale to the estimate, its plates or its factor
-    (:func:`plan_scales`, kept as ``model_trace.tmc_scales``).
+    and attribute every site's scale to the estimate, its plates or its factor.
+
+    :returns: the draw's :class:`ScalePlan` (:func:`plan_scales`); the draw holds it
+        (:attr:`pyro_tmc.infer.draw.TMCDraw.scales`) and passes it to whatever reads it.
     """
     guide_trace.symbolize_dims()
     model_trace.symbolize_dims(guide_trace.plate_to_symbol)
-    model_trace.tmc_scales = plan_scales(model_trace, guide_trace)
-
-
-def scale_plan(model_trace: Trace) -> ScalePlan:
-    """The trace's :class:`ScalePlan` (see :func:`symbolize`)."""
-    return model_trace.tmc_scales
-
-
-def plate_scales(model_trace: Trace) -> Dict[str, float]:
-    """Plate symbol -> the factor multiplying that plate's product (subsampling and poutine.scale)."""
-    return scale_plan(model_trace).plate_scales
-
-
-def carried_scale(site, model_trace: Trace) -> float:
-    """
-    What multiplies the site's factor from outside it (subsampling, and the
-    poutine.scale carried by the estimate and its plates): the gradient with
-    respect to a source added to the factor is the marginal times this.
-    """
-    return scale_plan(model_trace).carried_scale(site)
+    return plan_scales(model_trace, guide_trace)
 
 
 def subsample_scale(site) -> float:

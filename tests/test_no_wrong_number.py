@@ -15,7 +15,6 @@ from pyro.infer import Trace_ELBO, TraceEnum_ELBO
 from pyro.infer.autoguide import AutoNormal
 
 from pyro_tmc import TMC_ELBO, TMC_RWS
-from pyro_tmc.scales import scale_plan
 
 DATA = torch.tensor([0.3, -1.2, 2.0, 0.7])
 
@@ -285,7 +284,7 @@ def test_scale_shared_by_an_inner_plate_goes_to_the_inner_plate():
     guide = AutoNormal(_scaled_outer_plate)
     elbo = TMC_ELBO(num_samples=4, max_plate_nesting=2)
     draw = elbo.draw(_scaled_outer_plate, guide)
-    plan = scale_plan(draw.model_trace)
+    plan = draw.scales
     symbol = draw.model_trace.plate_to_symbol
     assert plan.plate_scales[symbol["data"]] == 3.0 and plan.plate_scales[symbol["outer"]] == 1.0
     assert plan.residual == {"z": 3.0}

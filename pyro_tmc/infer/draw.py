@@ -34,7 +34,7 @@ from ..checks import check_finite, check_plate_dependencies, check_site_shapes
 from ..compiled import EstimateProgram
 from ..factors import LogFactor, compute_log_factors, contract_estimate
 from ..poutine import TMCMessenger
-from ..scales import carried_scale, symbolize
+from ..scales import ScalePlan, symbolize
 from ..sites import (
     is_latent,
     is_summed_exactly,
@@ -93,6 +93,8 @@ class TMCDraw:
         pruned and symbolised.
     :param Trace guide_trace: the guide run under ``tmc`` (replayed on the leaves,
         when there are leaves).
+    :param ScalePlan scales: where each site's scale acts (:func:`pyro_tmc.scales.symbolize`),
+        passed to everything that computes or reads the estimate.
     :param DrawSettings settings: how it was made.
     :param Trace live_trace: the guide's trace as drawn, differentiable in its
         parameters, when the particles were replaced by leaves; else ``None``.
@@ -101,6 +103,7 @@ class TMCDraw:
 
     model_trace: Trace
     guide_trace: Trace
+    scales: ScalePlan
     settings: DrawSettings
     live_trace: Optional[Trace] = None
     leaves: Dict[str, torch.Tensor] = field(default_factory=dict)
@@ -132,12 +135,12 @@ class TMCDraw:
             leaf_trace, leaves = with_leaf_values(live_trace, leaf_sites(live_trace), leaves_require_grad)
             guide_trace = replay_guide(guide, leaf_trace, args, kwargs, settings)
         model_trace = run_model(model, guide_trace, args, kwargs, settings)
-        model_trace, guide_trace = finish(model_trace, guide_trace, settings.max_plate_nesting)
+        model_trace, guide_trace, scales = finish(model_trace, guide_trace, settings.max_plate_nesting)
         check = settings.broadcast_check
         if check is not None and check.wanted() and not settings.joint:
             run_probe(lambda probe: traces_of_one_draw(model, guide, args, kwargs, probe), settings)
             check.done = True
-        return cls(model_trace, guide_trace, settings, live_trace, leaves)
+        return cls(model_trace, guide_trace, scales, settings, live_trace, leaves)
 
     # -- what it holds -----------------------------------------------------------
 
@@ -156,6 +159,7 @@ class TMCDraw:
         return compute_log_factors(
             self.model_trace,
             self.guide_trace,
+            self.scales,
             sources,
             detach_guide_proposals,
             self.settings.max_factor_elements(),
@@ -179,7 +183,7 @@ class TMCDraw:
                 return estimate
             # not finite, or no program for this plan: the eager path (whose check names the site)
         factors = self.factors(sources, detach_guide_proposals)
-        estimate = contract_estimate(factors, self.model_trace)
+        estimate = contract_estimate(factors, self.scales)
         check_finite(factors, estimate, self.model_trace)
         return estimate
 
@@ -199,8 +203,8 @@ class TMCDraw:
         return source_weights(sources, grads, self.carried_scale)
 
     def carried_scale(self, name: str) -> float:
-        """What multiplies site ``name``'s factor from outside it (:func:`pyro_tmc.scales.carried_scale`)."""
-        return carried_scale(self.site(name), self.model_trace)
+        """What multiplies site ``name``'s factor from outside it (:meth:`ScalePlan.carried_scale`)."""
+        return self.scales.carried_scale(self.site(name))
 
     # -- the posterior ---------------------------------------------------------------
 
@@ -224,7 +228,8 @@ def traces_of_one_draw(model, guide, args, kwargs, settings: DrawSettings) -> Tu
     """The finished (model, guide) traces of a plain draw (no leaves)."""
     guide_trace = run_guide(guide, args, kwargs, settings)
     model_trace = run_model(model, guide_trace, args, kwargs, settings)
-    return finish(model_trace, guide_trace, settings.max_plate_nesting)
+    model_trace, guide_trace, _ = finish(model_trace, guide_trace, settings.max_plate_nesting)
+    return model_trace, guide_trace
 
 
 def run_guide(guide, args, kwargs, settings: DrawSettings) -> Trace:
@@ -290,8 +295,12 @@ def joint_dim(trace: Trace):
     return "new"
 
 
-def finish(model_trace: Trace, guide_trace: Trace, max_plate_nesting) -> tuple:
-    """Validate (as ``TraceEnum_ELBO`` does), prune subsample sites, symbolise, check plate dependencies."""
+def finish(model_trace: Trace, guide_trace: Trace, max_plate_nesting) -> Tuple[Trace, Trace, ScalePlan]:
+    """
+    Validate (as ``TraceEnum_ELBO`` does), prune subsample sites, symbolise, check plate dependencies.
+
+    :returns: the pruned (model, guide) traces and the draw's scale plan.
+    """
     if is_validation_enabled():
         check_model_guide_shapes_match(model_trace, guide_trace, max_plate_nesting)
     guide_trace = prune_subsample_sites(guide_trace)
@@ -301,9 +310,9 @@ def finish(model_trace: Trace, guide_trace: Trace, max_plate_nesting) -> tuple:
         # After pruning, as TraceEnum_ELBO does: a plate's subsample site lies outside
         # every plate, and would read as depending on the enumerated sites of an earlier plate.
         check_traceenum_requirements(model_trace, guide_trace)
-    symbolize(model_trace, guide_trace)
+    scales = symbolize(model_trace, guide_trace)
     check_plate_dependencies(model_trace, guide_trace)
-    return model_trace, guide_trace
+    return model_trace, guide_trace, scales
 
 
 def run_with_shape_hint(messenger: TMCMessenger, role: str, run, args, kwargs) -> Trace:

@@ -30,7 +30,6 @@ from pyro.distributions import Categorical, Empirical
 from pyro.poutine import Trace
 
 from ..contraction import contract_log_factors
-from ..scales import plate_scales
 from ..shapes import packed_view
 from ..sites import (
     guide_only_sites,
@@ -257,7 +256,7 @@ def sample_posterior(draw, num_draws: int) -> Dict[str, torch.Tensor]:
         drawn particles of the sites it was computed from.
     """
     model_trace, guide_trace = draw.model_trace, draw.guide_trace
-    scales = dict(plate_scales(model_trace))
+    scales = dict(draw.scales.plate_scales)
     scales[DRAWS] = 1.0
     with torch.no_grad():
         factors = [f.term for f in draw.factors()]

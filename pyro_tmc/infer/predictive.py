@@ -42,7 +42,6 @@ from pyro.ops.rings import LogRing
 from pyro.poutine import Trace
 from pyro.poutine.messenger import Messenger
 
-from ..scales import plate_scales, scale_plan
 from ..sites import is_latent
 from .tmc_elbo import TMC_ELBO
 
@@ -334,8 +333,8 @@ def _log_estimate_per_draw(draw, num_draws: int) -> torch.Tensor:
     particle dim summed and every plate multiplied out except the draws' plate.
     """
     model_trace = draw.model_trace
-    scales = plate_scales(model_trace)
-    if any(scale != 1.0 for scale in scales.values()) or scale_plan(model_trace).root != 1.0:
+    scales = draw.scales.plate_scales
+    if any(scale != 1.0 for scale in scales.values()) or draw.scales.root != 1.0:
         raise NotImplementedError(
             "predictive_log_likelihood: the test run has a subsampled plate or poutine.scale; "
             "call the model on the whole test set, unscaled."
