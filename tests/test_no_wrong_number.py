@@ -13,8 +13,10 @@ import pyro.distributions as dist
 from pyro import poutine
 from pyro.infer import Trace_ELBO, TraceEnum_ELBO
 from pyro.infer.autoguide import AutoNormal
+from pyro.ops.indexing import Vindex
 
 from pyro_tmc import TMC_ELBO, TMC_RWS
+from pyro_tmc.sites import particle_symbol
 
 DATA = torch.tensor([0.3, -1.2, 2.0, 0.7])
 
@@ -290,3 +292,32 @@ def test_scale_shared_by_an_inner_plate_goes_to_the_inner_plate():
     assert plan.residual == {"z": 3.0}
     total = elbo.compute_marginals(_scaled_outer_plate, guide)["z"].log_weights.exp().sum(-1)
     assert total.flatten().tolist() == pytest.approx([1.0, 1.0], abs=1e-5)
+
+
+# Found by the fuzzer (seed 1201284): a one-particle site lost its own particle dim's id.
+
+
+def _one_particle_model():
+    h = pyro.sample("h_0", dist.Normal(0.0, 1.0))
+    for _ in pyro.markov(range(1)):
+        pass
+    d = pyro.sample("d", dist.Categorical(logits=torch.tensor([0.4, -0.4, 0.7]) + 0.5 * h.unsqueeze(-1)))
+    pyro.sample("y", dist.Normal(Vindex(torch.tensor([0.9, 1.3, -0.1]))[..., d], 0.5), obs=torch.tensor(-0.3))
+
+
+def _one_particle_guide():
+    for t in pyro.markov(range(1)):
+        pyro.sample(f"h_{t}", dist.Normal(0.6, 0.8), infer={"num_samples": 1})
+    pyro.sample("d", dist.Categorical(torch.tensor([0.45, 0.38, 0.17])))
+
+
+def test_one_particle_site_keeps_its_particle_dim_apart():
+    """The guide's 'd' takes the dim of 'h_0' (one particle, local to pyro.markov): kept apart."""
+    pyro.set_rng_seed(0)
+    elbo = TMC_ELBO(num_samples=3, max_plate_nesting=0)
+    draw = elbo.draw(_one_particle_model, _one_particle_guide)
+    h, d = draw.model_trace.nodes["h_0"], draw.model_trace.nodes["d"]
+    assert h["infer"]["_enumerate_dim"] == d["infer"]["_enumerate_dim"]  # the layout this case needs
+    assert particle_symbol(h) != particle_symbol(d)
+    draws = elbo.sample_posterior(_one_particle_model, _one_particle_guide, num_draws=20)
+    assert draws["h_0"].shape == (20,) and draws["d"].shape == (20,)

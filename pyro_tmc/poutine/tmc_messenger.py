@@ -258,10 +258,13 @@ class TMCMessenger(EnumMessenger):
         # scope. A replayed value's own dims keep the ids its own run gave them: this
         # run's scope may hold another latent on the same dim (a guide's pyro.markov
         # recycles dims that a plain loop here does not), which would merge the two.
+        # The site's own particle dim keeps its id even with one particle (num_samples=1),
+        # where the value does not vary along it: the read-outs name the particles by it.
         replayed_ids = self._replayed_value_ids(msg)
+        own_id = self._replayed_own_id(msg)
         super()._pyro_post_sample(msg)
-        if replayed_ids:
-            msg["infer"]["_dim_to_id"].update(replayed_ids)
+        if replayed_ids or own_id:
+            msg["infer"]["_dim_to_id"].update({**replayed_ids, **own_id})
             self._value_dims[msg["name"]].update(replayed_ids)  # what downstream sites see
         if isinstance(msg["fn"], TorchDistributionMixin) and msg["value"] is not None:
             self._occupants.update(self._value_dims[msg["name"]])
@@ -283,6 +286,14 @@ class TMCMessenger(EnumMessenger):
         shape = value.shape[: value.dim() - msg["fn"].event_dim]
         dim_to_id = msg["infer"].get("_dim_to_id", {})
         return {dim: id_ for dim, id_ in dim_to_id.items() if len(shape) >= -dim and shape[dim] > 1}
+
+    def _replayed_own_id(self, msg: Message) -> Dict[int, int]:
+        """``{particle dim: id}`` of a replayed site, as its own run labelled it (empty if it has none)."""
+        if msg["name"] not in self.replayed_sites:
+            return {}
+        own_dim = msg["infer"].get("_enumerate_dim")
+        dim_to_id = msg["infer"].get("_dim_to_id", {})
+        return {own_dim: dim_to_id[own_dim]} if own_dim in dim_to_id else {}
 
     def shape_error_hint(self, role: str) -> str:
         """
