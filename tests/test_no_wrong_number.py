@@ -11,6 +11,7 @@ import torch
 import pyro
 import pyro.distributions as dist
 from pyro import poutine
+from pyro.distributions import constraints
 from pyro.infer import Trace_ELBO, TraceEnum_ELBO
 from pyro.infer.autoguide import AutoNormal
 from pyro.ops.indexing import Vindex
@@ -321,3 +322,51 @@ def test_one_particle_site_keeps_its_particle_dim_apart():
     assert particle_symbol(h) != particle_symbol(d)
     draws = elbo.sample_posterior(_one_particle_model, _one_particle_guide, num_draws=20)
     assert draws["h_0"].shape == (20,) and draws["d"].shape == (20,)
+
+
+# Fuzz seed 1201790: here Pyro's TraceEnum_ELBO gradient is not the derivative of its own loss;
+# TMC's is. The TMC gradient is checked against finite differences, not against TraceEnum_ELBO.
+
+SIMPLEX_DATA = torch.tensor(
+    [[-0.27, 1.6, 0.98, 1.72], [2.25, 1.19, 0.25, -1.1], [0.82, 1.3, -0.16, 0.35], [2.07, 0.75, -0.57, -0.6]]
+)
+WEIGHTS = torch.tensor([1.49, 0.16, 1.47])
+MINIBATCH = torch.tensor([1, 2, 3])
+
+
+def _dirichlet_model():
+    with pyro.plate("outer", 4, dim=-2, subsample=MINIBATCH) as i:
+        zo0 = pyro.sample("zo0", dist.Dirichlet(torch.tensor([1.41, 1.41, 1.41])))
+        zo1 = pyro.sample("zo1", dist.OneHotCategorical(zo0), infer={"enumerate": "parallel"})
+        mean = (zo1 * WEIGHTS).sum(-1)
+        with pyro.plate("data", 4, dim=-1) as j:
+            pyro.sample("zi0", dist.Normal(0.14 + mean, 0.3))
+            bias = pyro.param("x_bias", torch.tensor(-0.91))
+            pyro.sample("x", dist.Normal(bias + mean, 0.3), obs=SIMPLEX_DATA[i.unsqueeze(-1), j])
+
+
+def _dirichlet_guide():
+    with pyro.plate("outer", 4, dim=-2, subsample=MINIBATCH) as i:
+        loc = pyro.param("q", torch.tensor([[[0.257, 0.418, 0.325]]] * 4), constraint=constraints.simplex)
+        pyro.sample("zo0", dist.Delta(loc[i], event_dim=1))
+        with pyro.plate("data", 4, dim=-1) as j:
+            pyro.sample("zi0", dist.Delta(pyro.param("qz", torch.full((4, 4), -0.32))[i.unsqueeze(-1), j]))
+
+
+def test_gradient_through_a_simplex_delta_is_the_derivative_of_the_loss(default_dtype):
+    if default_dtype != torch.float64:
+        pytest.skip("finite differences need float64")
+    pyro.clear_param_store()
+    elbo = TMC_ELBO(num_samples=4, max_plate_nesting=2)
+    loss = elbo.differentiable_loss(_dirichlet_model, _dirichlet_guide)
+    unconstrained = pyro.param("q").unconstrained()
+    (grad,) = torch.autograd.grad(loss, [unconstrained])
+    step = 1e-6
+    for j in range(unconstrained.shape[-1]):
+        with torch.no_grad():
+            unconstrained[1, 0, j] += step
+            up = elbo.loss(_dirichlet_model, _dirichlet_guide)
+            unconstrained[1, 0, j] -= 2 * step
+            down = elbo.loss(_dirichlet_model, _dirichlet_guide)
+            unconstrained[1, 0, j] += step
+        assert grad[1, 0, j].item() == pytest.approx((up - down) / (2 * step), rel=1e-5, abs=1e-6)
