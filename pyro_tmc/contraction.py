@@ -30,7 +30,7 @@ from torch.utils.checkpoint import checkpoint
 from pyro.ops.contract import contract_to_tensor
 from pyro.ops.rings import LogRing
 
-from .log_einsum import safe_log, sequential_log_matmul_exp
+from .log_einsum import safe_logsumexp, sequential_log_matmul_exp
 from .shapes import packed_view
 
 
@@ -97,12 +97,6 @@ def factor_dims(term: Union[torch.Tensor, ChunkedFactor]) -> str:
     return term.dims if isinstance(term, ChunkedFactor) else term._pyro_dims
 
 
-def _safe_logsumexp(term: torch.Tensor, dims: List[int]) -> torch.Tensor:
-    """logsumexp whose gradient is 0, not NaN, where a whole slice is -inf (as pyro's torch_log)."""
-    shift = term.detach().amax(dims, keepdim=True).clamp(min=torch.finfo(term.dtype).min)
-    return safe_log((term - shift).exp().sum(dims)) + shift.squeeze(dims)
-
-
 class PlateScaledLogRing(LogRing):
     """
     :class:`~pyro.ops.rings.LogRing` whose product over a plate is multiplied
@@ -124,7 +118,7 @@ class PlateScaledLogRing(LogRing):
             positions = [i for i, d in enumerate(term._pyro_dims) if d in dims]
             if not positions:
                 return term
-            result = _safe_logsumexp(term, positions)
+            result = safe_logsumexp(term, positions)
             result._pyro_dims = "".join(d for d in term._pyro_dims if d not in dims)
             return result
         return super().sumproduct(terms, dims)
@@ -643,4 +637,4 @@ def _contract_one_global_sum(tensors, sum_dims, plate_scales) -> torch.Tensor:
         total = total + term.reshape(-1) if sum_dims else total + term
     if not sum_dims:
         return total if isinstance(total, torch.Tensor) else torch.zeros(())
-    return _safe_logsumexp(total, [0])
+    return safe_logsumexp(total, [0])
