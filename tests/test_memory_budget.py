@@ -27,6 +27,14 @@ ENUM = {"enumerate": "parallel"}
 # -- F4: a chunked factor's elimination never sums out a dim another factor still holds --------
 
 
+def _assert_all_equal(budgeted, expected, expected_grads):
+    """Every budgeted (loss, grads) equals the unbudgeted one."""
+    for loss, grads in budgeted:
+        assert torch.allclose(loss, expected, atol=1e-5)
+        for grad, expected_grad in zip(grads, expected_grads):
+            assert torch.allclose(grad, expected_grad, atol=1e-5)
+
+
 def enumerated_pair_model():
     """c -> z -> x, both enumerated: under a budget of a few elements both factors are chunked."""
     weights = pyro.param("weights", torch.tensor([0.5, 0.3, 0.2]), constraint=dist.constraints.simplex)
@@ -128,10 +136,7 @@ def test_f4_continuous_chunked_factors_match_unbudgeted(model, guide, unbudgeted
     (expected, expected_grads), *budgeted = results
     if unbudgeted is not None:
         assert expected.item() == pytest.approx(unbudgeted, abs=1e-4)
-    for loss, grads in budgeted:
-        assert torch.allclose(loss, expected, atol=1e-5)
-        for grad, expected_grad in zip(grads, expected_grads):
-            assert torch.allclose(grad, expected_grad, atol=1e-5)
+    _assert_all_equal(budgeted, expected, expected_grads)
 
 
 def nested_plates_model(x):
@@ -163,10 +168,7 @@ def test_chunked_nested_plates_match_unbudgeted():
         params = [pyro.param(name).unconstrained() for name in ("m", "shift")]
         results.append((loss.detach(), torch.autograd.grad(loss, params)))
     (expected, expected_grads), *budgeted = results
-    for loss, grads in budgeted:
-        assert torch.allclose(loss, expected, atol=1e-5)
-        for grad, expected_grad in zip(grads, expected_grads):
-            assert torch.allclose(grad, expected_grad, atol=1e-5)
+    _assert_all_equal(budgeted, expected, expected_grads)
 
 
 def outer_prior_model(size):
