@@ -1,0 +1,546 @@
+"""Posteriors against Stan's gold standard: Inference Gym's models, data and gold moments.
+
+    python benchmarks/gold.py                                   # every model and method
+    python benchmarks/gold.py --models brownian_motion --methods tmc nuts
+    python benchmarks/gold.py --quick                           # a smoke run (short training)
+
+Needs Inference Gym's data and gold files (plain numpy, no TensorFlow or JAX):
+``pip install --no-deps inference-gym``, or ``pip install -e ".[gold]"``.
+
+Models, written in Pyro from the gym's definitions (``inference_gym/targets/*.py``), with its gold
+means and sds (``inference_gym/targets/ground_truth/*.py``, 20,000+ Stan NUTS draws, of the
+constrained parameters: the gym's ``identity`` transformation):
+
+- ``brownian_motion``: 30 steps, innovation sd 0.1, observation sd 0.15, the middle 10 unobserved;
+- ``brownian_motion_unknown_scales``: the same with both scales ~ LogNormal(0, 2);
+- ``eight_schools``: the centered form the gym defines (``log_stddev ~ Normal(5, 1)``);
+- ``stochastic_volatility_small``: the last 100 S&P 500 daily returns, the centered AR(1) log volatility;
+- ``item_response_theory``: synthetic 1PL, 400 students x 100 questions, 30,012 answers.
+
+Methods (each trains, then reads means and sds of every gold parameter):
+
+- ``tmc``: ``SVI`` with :class:`pyro_tmc.TMC_ELBO` (training K) and an ``AutoNormal`` guide, then
+  :func:`pyro_tmc.infer.posterior_moments`: the TMC marginals of ``--draws`` independent draws at a
+  larger read-out K, each weighted by its ``P_TMC``. The posterior comes from the marginals, not the guide.
+- ``tmc_rws``: the same with :class:`pyro_tmc.TMC_RWS` (wake-phi guide updates).
+- ``qem``: :class:`pyro_tmc.QEM` on a :class:`pyro_tmc.QEMGuide`, the same read-out.
+- ``iwae``: ``SVI`` with :class:`pyro_tmc.IWAE_ELBO`, read out by its own self-normalised importance
+  sampler (``posterior_moments`` of an ``IWAE_ELBO`` at the read-out K: K joint samples per draw).
+- ``nuts``: Pyro's ``NUTS`` (a short chain; its time includes warm-up).
+- ``autonormal``, ``autolowrank``, ``automvn``: ``SVI`` with ``Trace_ELBO`` and Pyro's ``AutoNormal``,
+  ``AutoLowRankMultivariateNormal`` and ``AutoMultivariateNormal``; moments of 4,000 guide draws.
+
+Metrics, over every dimension of every gold parameter: the posterior-mean error in gold sds,
+``|mean - gold mean| / gold sd`` (average and worst dim), and the sd ratio ``sd / gold sd``
+(average of ``|ratio - 1|``, worst ``|ratio - 1|``, and the range); wall time (training and read-out;
+1 torch thread). Targets (issue 20): mean error 0.02 on average and 0.1 worst; sds within 3% on
+average and 10% worst. The gold's own Monte Carlo error is about 0.003 gold sd.
+
+The table (``--out``, default ``benchmarks/gold.md``) is rewritten after every (model, method), so a
+killed run keeps its rows; the plot of error against wall time goes to ``--figure``
+(default ``docs/figures/gold.png``). The measured table is in BENCHMARKS.md, section "Issue 20".
+"""
+
+import argparse
+import importlib
+import math
+import os
+import sys
+import time
+from typing import Callable, Dict, List, NamedTuple, Sequence, Tuple
+
+import numpy as np
+import torch
+
+import pyro
+import pyro.distributions as dist
+from pyro import poutine
+from pyro.infer import MCMC, NUTS, SVI, Predictive, Trace_ELBO
+from pyro.infer.autoguide import AutoLowRankMultivariateNormal, AutoMultivariateNormal, AutoNormal
+
+from pyro_tmc import IWAE_ELBO, QEM, TMC_ELBO, TMC_RWS, QEMGuide
+from pyro_tmc.infer import posterior_moments
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MISSING_GYM = (
+    "benchmarks/gold.py reads Inference Gym's data and gold moments, which are not installed.\n"
+    "Install them without TensorFlow or JAX:  pip install --no-deps inference-gym\n"
+    '(or: pip install -e ".[gold]").'
+)
+#: issue 20's targets: mean error in gold sds (average, worst); |sd ratio - 1| (average, worst)
+TARGETS = {"mean_error": (0.02, 0.1), "sd_error": (0.03, 0.1)}
+
+
+def gym_module(name: str):
+    """An Inference Gym data or gold module (plain numpy); exits with the install line if it is missing."""
+    try:
+        return importlib.import_module(f"inference_gym.{name}")
+    except ImportError:
+        raise SystemExit(MISSING_GYM) from None
+
+
+def gold_moments(module: str, params: Sequence[str]) -> Dict[str, Tuple[np.ndarray, np.ndarray]]:
+    """
+    The gold means and sds of the gym's ``identity`` transformation, per gym parameter.
+
+    :param str module: the ground-truth module, e.g. ``"eight_schools"``.
+    :param params: gym parameter names; ``""`` for a model whose identity is one unnamed array.
+    """
+    gold = gym_module(f"targets.ground_truth.{module}")
+    moments = {}
+    for param in params:
+        prefix = "IDENTITY_" + (param.upper() + "_" if param else "")
+        mean = np.asarray(getattr(gold, prefix + "MEAN"), dtype=np.float64).reshape(-1)
+        stddev = np.asarray(getattr(gold, prefix + "STANDARD_DEVIATION"), dtype=np.float64).reshape(-1)
+        moments[param] = (mean, stddev)
+    return moments
+
+
+# -- the models, from the gym's definitions ------------------------------------------------------
+
+
+def brownian_motion_model(observed, innovation_scale=0.1, observation_scale=0.15):
+    """``locs[t] ~ Normal(locs[t-1], innovation)``, ``locs[-1] = 0``; observed where not NaN."""
+    if innovation_scale is None:  # the unknown-scales variant
+        innovation_scale = pyro.sample("innovation_noise_scale", dist.LogNormal(0.0, 2.0))
+        observation_scale = pyro.sample("observation_noise_scale", dist.LogNormal(0.0, 2.0))
+    loc = 0.0
+    for t in pyro.markov(range(len(observed))):
+        loc = pyro.sample(f"locs_{t}", dist.Normal(loc, innovation_scale))
+        if not math.isnan(float(observed[t])):
+            pyro.sample(f"observed_{t}", dist.Normal(loc, observation_scale), obs=observed[t])
+
+
+def brownian_motion_unknown_scales_model(observed):
+    brownian_motion_model(observed, innovation_scale=None, observation_scale=None)
+
+
+def eight_schools_model(effects, stddevs):
+    """The centered form, as the gym writes it: ``school_effects ~ Normal(avg_effect, exp(log_stddev))``."""
+    avg_effect = pyro.sample("avg_effect", dist.Normal(0.0, 10.0))
+    log_stddev = pyro.sample("log_stddev", dist.Normal(5.0, 1.0))
+    with pyro.plate("schools", len(effects), dim=-1):
+        school_effects = pyro.sample("school_effects", dist.Normal(avg_effect, log_stddev.exp()))
+        pyro.sample("treatment_effects", dist.Normal(school_effects, stddevs), obs=effects)
+
+
+def stochastic_volatility_model(returns):
+    """
+    The gym's centered AR(1) log volatility: ``x[0] ~ Normal(mu, sigma / sqrt(1 - phi^2))``,
+    ``x[t] ~ Normal(mu + phi (x[t-1] - mu), sigma)``, ``returns[t] ~ Normal(0, exp(x[t] / 2))``.
+    """
+    # 2 Beta(20, 1.5) - 1 on (-1, 1)
+    persistence = pyro.sample(
+        "persistence_of_volatility",
+        dist.TransformedDistribution(dist.Beta(20.0, 1.5), [dist.transforms.AffineTransform(-1.0, 2.0)]),
+    )
+    mean = pyro.sample("mean_log_volatility", dist.Cauchy(0.0, 5.0))
+    shock_scale = pyro.sample("white_noise_shock_scale", dist.HalfCauchy(2.0))
+    log_volatility = pyro.sample(
+        "log_volatility_0", dist.Normal(mean, shock_scale / (1 - persistence.square()).sqrt())
+    )
+    pyro.sample("returns_0", dist.Normal(0.0, (log_volatility / 2).exp()), obs=returns[0])
+    for t in pyro.markov(range(1, len(returns))):
+        log_volatility = pyro.sample(
+            f"log_volatility_{t}", dist.Normal(mean + persistence * (log_volatility - mean), shock_scale)
+        )
+        pyro.sample(f"returns_{t}", dist.Normal(0.0, (log_volatility / 2).exp()), obs=returns[t])
+
+
+def item_response_theory_model(correct, mask):
+    """
+    1PL: ``correct[i, j] ~ Bernoulli(logits = mean_ability + ability[i] - difficulty[j])``, where answered.
+
+    The 100 question difficulties are one vector site (``.to_event(1)``): students and questions
+    are crossed plates, and a latent in each of two crossed plates that meet in one factor has no
+    tree-shaped contraction. So TMC proposes the 100 difficulties jointly, K vectors in one particle dim.
+    """
+    mean_ability = pyro.sample("mean_student_ability", dist.Normal(0.75, 1.0))
+    difficulty = pyro.sample(
+        "question_difficulty", dist.Normal(0.0, 1.0).expand([correct.shape[-1]]).to_event(1)
+    )
+    with pyro.plate("students", correct.shape[-2], dim=-1):
+        ability = pyro.sample("centered_student_ability", dist.Normal(0.0, 1.0))
+        logits = mean_ability.unsqueeze(-1) + ability.unsqueeze(-1) - difficulty.unsqueeze(-2)
+        with poutine.mask(mask=mask):
+            pyro.sample("correct", dist.Bernoulli(logits=logits).to_event(1), obs=correct)
+
+
+class Problem(NamedTuple):
+    """One gym model in Pyro: its data, and where each gold parameter is read (site names, in order)."""
+
+    model: Callable
+    args: tuple
+    max_plate_nesting: int
+    gold: Dict[str, Tuple[np.ndarray, np.ndarray]]
+    sites: Dict[str, List[str]]  # gym parameter -> the Pyro sites whose values, flattened, make it up
+
+
+def brownian_motion_problem(unknown_scales: bool = False) -> Problem:
+    data = gym_module("internal.datasets.brownian_motion_missing_middle_observations")
+    observed = torch.tensor(np.asarray(data.OBSERVED_LOC), dtype=torch.float32)
+    locs = [f"locs_{t}" for t in range(len(observed))]
+    if not unknown_scales:
+        gold = gold_moments("brownian_motion_missing_middle_observations", [""])
+        return Problem(brownian_motion_model, (observed,), 0, gold, {"": locs})
+    gold = gold_moments(
+        "brownian_motion_unknown_scales_missing_middle_observations",
+        ["innovation_noise_scale", "observation_noise_scale", "locs"],
+    )
+    sites = {
+        "innovation_noise_scale": ["innovation_noise_scale"],
+        "observation_noise_scale": ["observation_noise_scale"],
+        "locs": locs,
+    }
+    return Problem(brownian_motion_unknown_scales_model, (observed,), 0, gold, sites)
+
+
+def eight_schools_problem() -> Problem:
+    # the data, as the gym's eight_schools.py writes them
+    effects = torch.tensor([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0])
+    stddevs = torch.tensor([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0])
+    params = ["avg_effect", "log_stddev", "school_effects"]
+    gold = gold_moments("eight_schools", params)
+    return Problem(eight_schools_model, (effects, stddevs), 1, gold, {name: [name] for name in params})
+
+
+def stochastic_volatility_problem(num_days: int = 100) -> Problem:
+    prices = np.asarray(gym_module("internal.datasets.sp500_closing_prices").CLOSING_PRICES, dtype=np.float64)
+    returns = np.diff(prices)[-num_days:]  # the gym's sp500_returns: the last num_days, centered
+    returns = torch.tensor(returns - returns.mean(), dtype=torch.float32)
+    params = ["persistence_of_volatility", "mean_log_volatility", "white_noise_shock_scale", "log_volatility"]
+    module = "stochastic_volatility_sp500_small" if num_days == 100 else "stochastic_volatility_sp500"
+    gold = gold_moments(module, params)
+    sites = {name: [name] for name in params[:3]}
+    sites["log_volatility"] = [f"log_volatility_{t}" for t in range(num_days)]
+    return Problem(stochastic_volatility_model, (returns,), 0, gold, sites)
+
+
+def item_response_theory_problem() -> Problem:
+    data = gym_module("internal.datasets.synthetic_item_response_theory")
+    students, questions = np.asarray(data.STUDENT_IDS), np.asarray(data.QUESTION_IDS)
+    correct = np.zeros((students.max() + 1, questions.max() + 1), dtype=np.float32)
+    correct[students, questions] = np.asarray(data.CORRECT)
+    mask = np.zeros(correct.shape, dtype=bool)
+    mask[students, questions] = True
+    params = ["mean_student_ability", "centered_student_ability", "question_difficulty"]
+    gold = gold_moments("synthetic_item_response_theory", params)
+    args = (torch.tensor(correct), torch.tensor(mask))
+    return Problem(item_response_theory_model, args, 1, gold, {name: [name] for name in params})
+
+
+PROBLEMS = {
+    "brownian_motion": brownian_motion_problem,
+    "brownian_motion_unknown_scales": lambda: brownian_motion_problem(unknown_scales=True),
+    "eight_schools": eight_schools_problem,
+    "stochastic_volatility_small": stochastic_volatility_problem,
+    "stochastic_volatility": lambda: stochastic_volatility_problem(num_days=2516),
+    "item_response_theory": item_response_theory_problem,
+}
+DEFAULT_MODELS = [
+    "brownian_motion",
+    "brownian_motion_unknown_scales",
+    "eight_schools",
+    "stochastic_volatility_small",
+    "item_response_theory",
+]
+
+
+# -- settings: steps, particles and draws per model -------------------------------------------
+
+
+class Settings(NamedTuple):
+    steps: int  # SVI / QEM steps of the TMC methods
+    lr: float  # Adam's step for SVI (TMC, IWAE), QEM's moving-average step is qem_lr
+    train_k: int  # K in training
+    read_k: int  # K of the read-out
+    draws: int  # independent TMC draws pooled in the read-out
+    svi_steps: int  # Trace_ELBO steps of the AutoGuides
+    nuts_warmup: int
+    nuts_samples: int
+    qem_lr: float = 0.1
+
+
+SETTINGS = {
+    "brownian_motion": Settings(1000, 0.03, 16, 512, 20, 3000, 300, 500),
+    "brownian_motion_unknown_scales": Settings(1500, 0.03, 16, 128, 20, 3000, 300, 500),
+    "eight_schools": Settings(1000, 0.03, 64, 256, 20, 3000, 300, 500),
+    "stochastic_volatility_small": Settings(800, 0.03, 8, 16, 20, 3000, 200, 300),
+    "stochastic_volatility": Settings(300, 0.03, 4, 8, 10, 1000, 50, 50),
+    "item_response_theory": Settings(500, 0.03, 16, 64, 10, 2000, 100, 200),
+}
+QUICK = Settings(150, 0.05, 8, 64, 8, 300, 30, 30, qem_lr=0.2)
+
+
+# -- methods: each returns {gym parameter: (means, sds)} as flat numpy arrays ---------------------
+
+
+def site_moments_to_gym(problem: Problem, moments: Dict[str, Tuple[torch.Tensor, torch.Tensor]]):
+    """Concatenate the sites' flattened means and sds into each gym parameter's vector."""
+    result = {}
+    for param, names in problem.sites.items():
+        means = np.concatenate([moments[name][0].detach().double().reshape(-1).numpy() for name in names])
+        sds = np.concatenate([moments[name][1].detach().double().reshape(-1).numpy() for name in names])
+        result[param] = (means, sds)
+    return result
+
+
+def samples_to_gym(problem: Problem, samples: Dict[str, torch.Tensor]):
+    """Means and sds of draws (leading dim: the draws) of every site, as gym parameter vectors."""
+    moments = {}
+    for names in problem.sites.values():
+        for name in names:
+            values = samples[name].detach().double()
+            values = values.reshape(values.shape[0], -1)
+            moments[name] = (values.mean(0), values.std(0))
+    return site_moments_to_gym(problem, moments)
+
+
+def tmc_readout(problem: Problem, guide, settings: Settings, loss=TMC_ELBO):
+    readout = loss(num_samples=settings.read_k, max_plate_nesting=problem.max_plate_nesting)
+    pooled = posterior_moments(readout, problem.model, guide, *problem.args, num_draws=settings.draws)
+    moments = {name: (site.mean, site.stddev) for name, site in pooled.sites.items()}
+    return site_moments_to_gym(problem, moments), f"eff. draws {pooled.effective_draws:.1f}"
+
+
+def train_svi(problem: Problem, guide, loss, steps: int, lr: float, progress) -> float:
+    svi = SVI(problem.model, guide, pyro.optim.Adam({"lr": lr}), loss)
+    for _ in progress(range(steps)):
+        value = svi.step(*problem.args)
+    return value
+
+
+def run_tmc(problem: Problem, settings: Settings, progress, loss=TMC_ELBO):
+    guide = AutoNormal(problem.model, init_scale=0.1)
+    train_loss = loss(num_samples=settings.train_k, max_plate_nesting=problem.max_plate_nesting)
+    train_svi(problem, guide, train_loss, settings.steps, settings.lr, progress)
+    readout_loss = IWAE_ELBO if loss is IWAE_ELBO else TMC_ELBO
+    return tmc_readout(problem, guide, settings, readout_loss)
+
+
+def run_qem(problem: Problem, settings: Settings, progress):
+    guide = QEMGuide(problem.model)
+    qem = QEM(
+        problem.model,
+        guide,
+        lr=settings.qem_lr,
+        num_samples=settings.train_k,
+        max_plate_nesting=problem.max_plate_nesting,
+    )
+    for _ in progress(range(settings.steps)):
+        qem.step(*problem.args)
+    return tmc_readout(problem, guide, settings)
+
+
+def run_nuts(problem: Problem, settings: Settings, progress):
+    kernel = NUTS(problem.model, max_plate_nesting=problem.max_plate_nesting)
+    mcmc = MCMC(
+        kernel,
+        num_samples=settings.nuts_samples,
+        warmup_steps=settings.nuts_warmup,
+        disable_progbar=progress is _silent,
+    )
+    mcmc.run(*problem.args)
+    return samples_to_gym(
+        problem, mcmc.get_samples()
+    ), f"{settings.nuts_warmup}+{settings.nuts_samples} draws"
+
+
+def run_autoguide(problem: Problem, settings: Settings, progress, guide_class, **guide_options):
+    guide = guide_class(problem.model, **guide_options)
+    loss = Trace_ELBO(max_plate_nesting=problem.max_plate_nesting)
+    train_svi(problem, guide, loss, settings.svi_steps, settings.lr, progress)
+    names = [name for names in problem.sites.values() for name in names]
+    predictive = Predictive(problem.model, guide=guide, num_samples=4000, parallel=True, return_sites=names)
+    with torch.no_grad():
+        samples = predictive(*problem.args)
+    return samples_to_gym(problem, samples), "4000 guide draws"
+
+
+METHODS = {
+    "tmc": run_tmc,
+    "tmc_rws": lambda p, s, g: run_tmc(p, s, g, loss=TMC_RWS),
+    "qem": run_qem,
+    "iwae": lambda p, s, g: run_tmc(p, s, g, loss=IWAE_ELBO),
+    "nuts": run_nuts,
+    "autonormal": lambda p, s, g: run_autoguide(p, s, g, AutoNormal),
+    "autolowrank": lambda p, s, g: run_autoguide(p, s, g, AutoLowRankMultivariateNormal),
+    "automvn": lambda p, s, g: run_autoguide(p, s, g, AutoMultivariateNormal),
+}
+
+
+# -- metrics -----------------------------------------------------------------------------------
+
+
+def errors(problem: Problem, estimate) -> Dict[str, float]:
+    """Mean error in gold sds and sd ratio, over all dims of all gold parameters."""
+    mean_errors, ratios = [], []
+    for param, (gold_mean, gold_sd) in problem.gold.items():
+        mean, sd = estimate[param]
+        if mean.shape != gold_mean.shape:
+            raise ValueError(
+                f"gold parameter {param!r}: estimate of shape {mean.shape}, gold {gold_mean.shape}"
+            )
+        mean_errors.append(np.abs(mean - gold_mean) / gold_sd)
+        ratios.append(sd / gold_sd)
+    mean_errors, ratios = np.concatenate(mean_errors), np.concatenate(ratios)
+    return {
+        "mean_error": float(mean_errors.mean()),
+        "mean_error_worst": float(mean_errors.max()),
+        "sd_error": float(np.abs(ratios - 1).mean()),
+        "sd_error_worst": float(np.abs(ratios - 1).max()),
+        "sd_ratio_min": float(ratios.min()),
+        "sd_ratio_max": float(ratios.max()),
+    }
+
+
+# -- the run -----------------------------------------------------------------------------------
+
+
+def _silent(iterable):
+    return iterable
+
+
+def progress_bar(description: str):
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return _silent
+    return lambda iterable: tqdm(iterable, desc=description, leave=False, mininterval=2.0)
+
+
+def run(model: str, method: str, quick: bool, seed: int = 0, progress=_silent) -> Dict:
+    """Train and read one (model, method); returns its metrics, time and settings."""
+    problem = PROBLEMS[model]()
+    settings = QUICK if quick else SETTINGS[model]
+    pyro.clear_param_store()
+    pyro.set_rng_seed(seed)
+    start = time.perf_counter()
+    estimate, note = METHODS[method](problem, settings, progress)
+    seconds = time.perf_counter() - start
+    row = dict(errors(problem, estimate), model=model, method=method, seconds=seconds, note=note)
+    row["setup"] = describe(method, settings)
+    return row
+
+
+def failed_row(model: str, method: str, quick: bool, error: Exception) -> Dict:
+    nan = float("nan")
+    message = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:120]}"
+    row = dict.fromkeys(("mean_error", "mean_error_worst", "sd_error", "sd_error_worst"), nan)
+    row.update(sd_ratio_min=nan, sd_ratio_max=nan, seconds=nan, model=model, method=method, note=message)
+    row["setup"] = describe(method, QUICK if quick else SETTINGS[model])
+    return row
+
+
+def describe(method: str, settings: Settings) -> str:
+    if method == "nuts":
+        return f"{settings.nuts_warmup} warm-up + {settings.nuts_samples}"
+    if method.startswith("auto"):
+        return f"{settings.svi_steps} steps"
+    lr = f", lr {settings.qem_lr}" if method == "qem" else ""
+    return f"{settings.steps} steps, K {settings.train_k}{lr}; read K {settings.read_k} x {settings.draws}"
+
+
+COLUMNS = (
+    "model",
+    "method",
+    "setup",
+    "time (s)",
+    "mean err. avg / worst",
+    "abs(sd ratio - 1) avg / worst",
+    "sd ratio range",
+    "note",
+)
+
+
+def table(rows: Sequence[Dict]) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + " --- |" * len(COLUMNS)]
+    for row in rows:
+        cells = (
+            row["model"],
+            row["method"],
+            row["setup"],
+            f"{row['seconds']:.0f}",
+            f"{row['mean_error']:.3f} / {row['mean_error_worst']:.3f}",
+            f"{row['sd_error']:.3f} / {row['sd_error_worst']:.3f}",
+            f"{row['sd_ratio_min']:.2f}-{row['sd_ratio_max']:.2f}",
+            row["note"],
+        )
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_table(rows: Sequence[Dict], path: str, command: str) -> None:
+    header = (
+        "# Posteriors against Inference Gym's gold (benchmarks/gold.py)\n\n"
+        f"`{command}`; 1 torch thread. Mean error in gold sds; targets: mean error 0.02 avg / 0.1 worst, "
+        "abs(sd ratio - 1) 0.03 avg / 0.1 worst.\n\n"
+    )
+    with open(path, "w") as handle:
+        handle.write(header + table(rows))
+
+
+def plot(rows: Sequence[Dict], path: str) -> None:
+    """Mean error (average over dims) against wall time, one panel per model, one marker per method."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    models = list(dict.fromkeys(row["model"] for row in rows))
+    methods = list(METHODS)
+    markers = dict(zip(methods, "os^vDP*X"))
+    fig, axes = plt.subplots(1, len(models), figsize=(3.6 * len(models), 3.4), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        for row in rows:
+            if row["model"] == model and math.isfinite(row["mean_error"]):
+                ax.scatter(
+                    row["seconds"], row["mean_error"], marker=markers[row["method"]], label=row["method"]
+                )
+        ax.axhline(TARGETS["mean_error"][0], color="black", linestyle="--", linewidth=0.8)
+        ax.set(xscale="log", yscale="log", xlabel="wall time (s)", title=model.replace("_", " "))
+    axes[0][0].set_ylabel("mean error (gold sds, avg over dims)")
+    handles, labels = axes[0][-1].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center right", fontsize="small")
+    fig.tight_layout(rect=(0, 0, 0.88, 1))
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def main(argv=None) -> List[Dict]:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--models", nargs="+", default=DEFAULT_MODELS, choices=sorted(PROBLEMS))
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--quick", action="store_true", help="short training and read-out (a smoke run)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=os.path.join(HERE, "gold.md"), help="the markdown table")
+    parser.add_argument("--figure", default=os.path.join(HERE, "..", "docs", "figures", "gold.png"))
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    gym_module("version")  # fail early, with the install line
+    torch.set_num_threads(1)  # a script's choice: timings per thread, as the targets are stated
+    command = "python benchmarks/gold.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    rows = []
+    for model in args.models:
+        for method in args.methods:
+            progress = _silent if args.no_progress else progress_bar(f"{model} {method}")
+            try:
+                row = run(model, method, args.quick, args.seed, progress)
+            except (RuntimeError, ValueError, NotImplementedError, MemoryError) as error:
+                # a method that cannot run a model gets a row saying why; the others still run
+                row = failed_row(model, method, args.quick, error)
+            rows.append(row)
+            print(table([row]).splitlines()[-1], flush=True)
+            if args.out:
+                write_table(rows, args.out, command.strip())
+            if args.figure:
+                plot(rows, args.figure)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
