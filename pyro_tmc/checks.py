@@ -64,7 +64,7 @@ def check_site_shapes(model_trace: Trace, guide_trace: Trace, max_plate_nesting)
             log_prob = SimpleNamespace(shape=log_prob_shape(site))  # all the check reads of it
             infer = site["infer"]
             draw = infer.get("_tmc_draw")
-            if draw is not None and draw.joint:  # shares its parents' dim by design
+            if draw is not None and (draw.joint or draw.group is not None):  # shares a dim by design
                 infer = {k: v for k, v in infer.items() if k != "_enumerate_dim"}
             check_site_shape({**site, "infer": infer, "log_prob": log_prob}, max_plate_nesting)
 

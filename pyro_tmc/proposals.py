@@ -177,6 +177,11 @@ class ParticleDraw:
     #: drawn on the one particle dim that every latent shares (IWAE's joint
     #: samples): the -log K is counted once for the whole draw, not per site
     joint: bool = False
+    #: the particle group it was drawn in (several sites on one particle dim:
+    #: :mod:`pyro_tmc.particle_groups`), or ``None``
+    group: Optional[str] = None
+    #: whether the site's term carries its ``-log K``: a group's is counted at one member only
+    counts_log_k: bool = True
 
 
 def choose_ancestors(
@@ -423,10 +428,13 @@ def proposal_term_rule(q_site, detach_guide: bool) -> Tuple[bool, float]:
       caller stops the guide's density (``detach_guide``: the path-gradient
       estimators take the guide's gradient elsewhere);
     - ``log_k``: ``log K`` of a sampled site, the average over its particles; 0 for
-      an enumerated or Delta proposal, and for joint samples, whose ``-log K`` is
-      counted once for the whole draw (:func:`pyro_tmc.factors.joint_samples_factor`).
+      an enumerated or Delta proposal, for joint samples, whose ``-log K`` is
+      counted once for the whole draw (:func:`pyro_tmc.factors.joint_samples_factor`),
+      and for every member of a particle group but the first, since the members
+      share one average over their K particles (:mod:`pyro_tmc.particle_groups`).
     """
     detach = not q_site["is_observed"] and (not q_site["fn"].has_rsample or detach_guide)
     draw = q_site["infer"].get("_tmc_draw")
-    log_k = 0.0 if draw is None or draw.joint else math.log(draw.num_samples)
+    counted = draw is not None and not draw.joint and draw.counts_log_k
+    log_k = math.log(draw.num_samples) if counted else 0.0
     return detach, log_k

@@ -11,6 +11,14 @@ from pyro.poutine.enum_messenger import EnumMessenger
 from pyro.poutine.runtime import Message
 
 from .._pyro import allocate_particle_dim, make_handler
+from ..particle_groups import (
+    ParticleGroup,
+    check_model_agrees,
+    check_not_summed_exactly,
+    draw_member_particles,
+    group_name,
+    plate_names,
+)
 from ..proposals import draw_joint_particles, draw_particles, get_proposal
 from ..sites import is_delta, is_marked_for_exact_sum
 
@@ -141,6 +149,11 @@ class TMCMessenger(EnumMessenger):
     :param joint_dim: ``"new"`` or a ``(dim, id)`` pair: every sampled latent
         shares one particle dim (IWAE's joint samples: K particle combinations,
         not K^n); ``"new"`` allocates it at the first sampled site.
+    :param particle_groups: name -> :class:`~pyro_tmc.particle_groups.ParticleGroup`
+        already set up by the run this one replays (the guide's), which this
+        run's members join. A site marked ``infer={"particle_group": name}``
+        shares the group's particle dim (:mod:`pyro_tmc.particle_groups`); the
+        first member of a new group allocates it.
 
     Reference: Aitchison, L. (2019) "Tensor Monte Carlo: Particle Methods for
     the GPU Era", NeurIPS.
@@ -156,6 +169,7 @@ class TMCMessenger(EnumMessenger):
         joint_dim: Optional[tuple] = None,
         reserved_dims: Collection[int] = (),
         particle_counts: Optional[Callable[[int], int]] = None,
+        particle_groups: Optional[Dict[str, ParticleGroup]] = None,
     ) -> None:
         self.num_samples = check_num_samples(num_samples, "tmc(num_samples)")
         self.proposal = get_proposal(proposal)
@@ -170,6 +184,7 @@ class TMCMessenger(EnumMessenger):
         self.reserved_dims = frozenset(reserved_dims)
         self.particle_counts = particle_counts
         self.joint_dim = joint_dim
+        self.initial_groups = dict(particle_groups or {})
 
     def __enter__(self):
         # dim -> id of the site that last placed a value there: what a site
@@ -179,6 +194,9 @@ class TMCMessenger(EnumMessenger):
         #: the last sample site run, and particle dim -> (site, K), for error messages about user code
         self.current_site: Optional[str] = None
         self.particle_dims: Dict[int, tuple] = {}
+        #: particle groups by name, and the groups that the model asks for at replayed sites
+        self.groups: Dict[str, ParticleGroup] = dict(self.initial_groups)
+        self._model_groups: Dict[str, str] = {}
         return super().__enter__()
 
     def _record_scope(self, msg: Message) -> Dict[int, int]:
@@ -199,6 +217,8 @@ class TMCMessenger(EnumMessenger):
             return
         self.current_site = msg["name"]
         param_dims = self._record_scope(msg)
+        if msg["name"] in self.replayed_sites and not msg["is_observed"] and group_name(msg) is not None:
+            self._model_groups[msg["name"]] = group_name(msg)  # checked against the guide's, once replayed
         if msg["done"] or msg["is_observed"] or msg["name"] in self.replayed_sites:
             return
         if is_delta(msg["fn"]):
@@ -207,6 +227,7 @@ class TMCMessenger(EnumMessenger):
             check_sequential_summable(msg)
             warn_summed_in_parallel(msg["name"])
         if is_marked_for_exact_sum(msg):
+            check_not_summed_exactly(msg)
             target_dim, id_ = self._allocate(msg, param_dims)
             check_no_dim_conflict(msg, target_dim)
             value = _enumerate_support(msg["fn"], target_dim)
@@ -216,6 +237,8 @@ class TMCMessenger(EnumMessenger):
             target_dim, id_ = self.joint_dim
             value, draw = draw_joint_particles(msg["fn"], self.num_samples, target_dim)
             msg["infer"]["_tmc_draw"] = draw
+        elif group_name(msg) is not None:
+            target_dim, id_, value = self._draw_in_group(msg, param_dims)
         else:
             target_dim, id_ = self._allocate(msg, param_dims)
             check_no_dim_conflict(msg, target_dim)
@@ -234,17 +257,19 @@ class TMCMessenger(EnumMessenger):
         msg["value"] = value
         msg["done"] = True
 
-    def _allocate(self, msg: Message, param_dims: Dict[int, int]):
+    def _allocate(self, msg: Message, param_dims: Dict[int, int], recyclable: Optional[bool] = None):
         """
         A particle dim and id for the site. A site inside a markov context may
         reuse a dim out of its scope. A site outside every markov context gets a
         dim that no value seen so far occupies: Pyro's allocator would hand it
         the dim of a latent of an exited markov loop, merging the two.
+
+        :param recyclable: whether the dim may be reused by a later site out of
+            this one's scope; by default, where the site is inside a markov context.
         """
-        scope = msg["infer"].get("_markov_scope")
-        target_dim, id_ = allocate_particle_dim(
-            self.reserved_dims.union(param_dims), recyclable=scope is not None
-        )
+        if recyclable is None:
+            recyclable = msg["infer"].get("_markov_scope") is not None
+        target_dim, id_ = allocate_particle_dim(self.reserved_dims.union(param_dims), recyclable=recyclable)
         if -target_dim > MAX_TENSOR_DIMS:
             raise ValueError(
                 f"Site '{msg['name']}' needs particle dim {target_dim}, but a tensor holds at most "
@@ -252,6 +277,34 @@ class TMCMessenger(EnumMessenger):
                 "and the guide) so that particle dims are recycled."
             )
         return target_dim, id_
+
+    def _draw_in_group(self, msg: Message, param_dims: Dict[int, int]):
+        """
+        The particles of a member of a particle group, on the group's dim: ``(dim,
+        id, value)``. The first member sets the group up, on a dim that no later
+        site reuses (the members may sit in different markov scopes); the others
+        are checked against it.
+        """
+        name = group_name(msg)
+        num_samples = self._num_samples(msg)
+        group = self.groups.get(name)
+        first = group is None
+        if first:
+            target_dim, id_ = self._allocate(msg, param_dims, recyclable=False)
+            check_no_dim_conflict(msg, target_dim)
+            group = ParticleGroup(name, target_dim, id_, num_samples, plate_names(msg), msg["name"])
+            self.groups[name] = group
+        else:
+            # the validation probe gives each dim its own count: K was checked in the real draw
+            group.check_member(msg, None if self.particle_counts is not None else num_samples)
+        if self.particle_counts is not None:
+            num_samples = self.particle_counts(group.dim)
+        parent_dims = tuple(d for d in self._parent_dims(msg, param_dims) if d != group.dim)
+        value, draw = draw_member_particles(
+            msg["name"], msg["fn"], num_samples, self.proposal, parent_dims, group, first
+        )
+        msg["infer"]["_tmc_draw"] = draw
+        return group.dim, group.id, value
 
     def _pyro_post_sample(self, msg: Message) -> None:
         # EnumMessenger labels every dim the site can see with the ids of this run's
@@ -263,6 +316,8 @@ class TMCMessenger(EnumMessenger):
         replayed_ids = self._replayed_value_ids(msg)
         own_id = self._replayed_own_id(msg)
         super()._pyro_post_sample(msg)
+        if msg["name"] in self._model_groups:
+            check_model_agrees(msg["name"], self._model_groups.pop(msg["name"]), msg, self.groups)
         if replayed_ids or own_id:
             msg["infer"]["_dim_to_id"].update({**replayed_ids, **own_id})
             self._value_dims[msg["name"]].update(replayed_ids)  # what downstream sites see
@@ -315,19 +370,26 @@ class TMCMessenger(EnumMessenger):
             "the shapes. See 'Writing models for TMC: broadcasting and Vindex' in the README."
         )
 
-    def _draw(self, msg: Message, param_dims: Dict[int, int], target_dim: int):
-        fn = msg["fn"]
-        name = msg["name"]
-        num_samples = check_num_samples(
+    def _num_samples(self, msg: Message) -> int:
+        """The K a site asks for: its ``infer["num_samples"]``, else the handler's."""
+        return check_num_samples(
             msg["infer"].get("num_samples", self.num_samples),
-            f"Site '{name}' infer['num_samples']",
+            f"Site '{msg['name']}' infer['num_samples']",
             "infer={'num_samples': 16}",
         )
+
+    @staticmethod
+    def _parent_dims(msg: Message, param_dims: Dict[int, int]) -> tuple:
+        """The upstream particle dims along which the site's distribution varies."""
+        batch_shape = msg["fn"].batch_shape
+        return tuple(d for d in range(-len(batch_shape), 0) if batch_shape[d] > 1 and d in param_dims)
+
+    def _draw(self, msg: Message, param_dims: Dict[int, int], target_dim: int):
+        num_samples = self._num_samples(msg)
         if self.particle_counts is not None:
             num_samples = self.particle_counts(target_dim)
-        batch_shape = fn.batch_shape
-        parent_dims = tuple(d for d in range(-len(batch_shape), 0) if batch_shape[d] > 1 and d in param_dims)
-        return draw_particles(name, fn, num_samples, self.proposal, parent_dims, target_dim)
+        parent_dims = self._parent_dims(msg, param_dims)
+        return draw_particles(msg["name"], msg["fn"], num_samples, self.proposal, parent_dims, target_dim)
 
 
 def _enumerate_support(fn, target_dim: int) -> torch.Tensor:
