@@ -263,9 +263,11 @@ def sample_posterior(draw, num_draws: int) -> Dict[str, torch.Tensor]:
     draws, indices = {}, {}
     for site in particle_sites(model_trace, guide_trace):
         symbol = particle_symbol(site)
-        index = _draw_particle(factors, scales, site, symbol, num_draws)
-        factors = [_condition(t, symbol, index) for t in factors]
-        indices[symbol] = index
+        index = indices.get(symbol)  # members of a particle group share their particles' index
+        if index is None:
+            index = _draw_particle(factors, scales, site, symbol, num_draws)
+            factors = [_condition(t, symbol, index) for t in factors]
+            indices[symbol] = index
         if site["name"] in model_trace.nodes:
             draws[site["name"]] = _gather_values(site, index, model_trace.plate_to_symbol)
     for name in point_mass_sites(model_trace):
