@@ -41,10 +41,12 @@ import torch
 from torch.distributions import Distribution
 from torch.distributions.transforms import Transform
 
+from pyro.poutine import Trace
+
 from .checks import validate_samples
+from .evaluation import EvaluationPlan
 from .factors import compute_log_factors, contract_estimate
 from .log_einsum import any_flag, deferred_underflow_checks
-from .memory import factor_budget
 from .proposals import ProposalStrategy
 from .scales import ScalePlan
 
@@ -121,8 +123,11 @@ class _Flattener:
         return obj
 
     def walk_site(self, site: dict) -> dict:
-        """The fields of a sample site that the factors read (see ``SITE_FIELDS``)."""
-        return {field: self.walk(site[field]) for field in SITE_FIELDS}
+        """
+        Every field of a sample site: what the factor code reads of it is then in
+        the key, whatever it reads, with no list of fields to keep in step with it.
+        """
+        return {field: self.walk(value) for field, value in site.items()}
 
 
 def _copied_field_by_field(obj) -> bool:
@@ -137,21 +142,6 @@ _NOT_PLAN = frozenset(["_validate_args", "_inv"])
 
 #: immutable values that go into the key as they are
 _ATOMS = frozenset([type(None), bool, int, float, str, torch.dtype, torch.device, torch.Size])
-
-#: what :mod:`pyro_tmc.factors` reads of a sample site
-SITE_FIELDS = (
-    "name",
-    "type",
-    "is_observed",
-    "fn",
-    "value",
-    "args",
-    "kwargs",
-    "infer",
-    "scale",
-    "mask",
-    "cond_indep_stack",
-)
 
 
 def _tensor_attributes(tensor: torch.Tensor) -> dict:
@@ -188,13 +178,6 @@ def _fill(obj, inputs: List[torch.Tensor]):
     return obj
 
 
-class _TraceView:
-    """What the factor code reads of a trace: its sample sites."""
-
-    def __init__(self, nodes) -> None:
-        self.nodes = nodes
-
-
 @dataclasses.dataclass
 class FlatDraw:
     """A draw's tensors and a template to rebuild its traces around other tensors."""
@@ -206,10 +189,17 @@ class FlatDraw:
     key: tuple
     tensor_attributes: List[dict]
 
-    def traces(self, inputs: List[torch.Tensor]) -> Tuple[_TraceView, _TraceView, ScalePlan]:
-        """The draw's (model, guide) traces and scale plan, around ``inputs``."""
+    def traces(self, inputs: List[torch.Tensor]) -> Tuple[Trace, Trace, ScalePlan]:
+        """The draw's (model, guide) traces (their sample sites) and scale plan, around ``inputs``."""
         model_nodes, guide_nodes, scales = _fill(self.template, inputs)
-        return _TraceView(model_nodes), _TraceView(guide_nodes), scales
+        return _trace_of(model_nodes), _trace_of(guide_nodes), scales
+
+
+def _trace_of(nodes: dict) -> Trace:
+    """A trace holding ``nodes`` (no edges: the factor code reads sites only)."""
+    trace = Trace()
+    trace.nodes.update(nodes)
+    return trace
 
 
 def _sample_sites(flattener: _Flattener, trace) -> dict:
@@ -222,7 +212,7 @@ def flatten_draw(draw, sources: Optional[Dict[str, torch.Tensor]], detach_guide_
     template = (
         _sample_sites(flattener, draw.model_trace),
         _sample_sites(flattener, draw.guide_trace),
-        flattener.walk(draw.scales),
+        flattener.walk(draw.plan.scales),
     )
     source_template = flattener.walk(dict(sources or {}))
     flattener.key.append(("detach", detach_guide_proposals, torch.get_default_dtype()))
@@ -234,9 +224,7 @@ class GraphFallback(Exception):
     """The draw cannot be traced into a graph; the eager path is used."""
 
 
-def _estimate_function(flat: FlatDraw, settings, detach_guide_proposals: bool) -> Callable:
-    max_factor_elements = None  # a draw with chunked factors runs eagerly (log_estimate)
-
+def _estimate_function(flat: FlatDraw, detach_guide_proposals: bool) -> Callable:
     def estimate(*inputs: torch.Tensor) -> torch.Tensor:
         inputs = list(inputs)
         for tensor, attributes in zip(inputs, flat.tensor_attributes):
@@ -246,16 +234,16 @@ def _estimate_function(flat: FlatDraw, settings, detach_guide_proposals: bool) -
         sources = _fill(flat.source_template, inputs)
         # no branch on values while tracing: each log-space product flags its underflow instead
         with deferred_underflow_checks() as flags:
-            factors = compute_log_factors(
-                model_trace, guide_trace, scales, sources, detach_guide_proposals, max_factor_elements
-            )
+            # whole factors: a plan with sliced factors has no program (EvaluationPlan.compiled_program)
+            plan = EvaluationPlan(scales)
+            factors = compute_log_factors(model_trace, guide_trace, plan, sources, detach_guide_proposals)
             log_estimate = contract_estimate(factors, scales)
         return log_estimate, any_flag(flags, log_estimate)
 
     return estimate
 
 
-def trace_graph(flat: FlatDraw, settings, detach_guide_proposals: bool) -> torch.fx.GraphModule:
+def trace_graph(flat: FlatDraw, detach_guide_proposals: bool) -> torch.fx.GraphModule:
     """
     The eager estimate traced into a graph of tensor operations, with fake tensors.
     The graph returns ``(estimate, underflow)``: ``underflow`` (a boolean scalar)
@@ -268,7 +256,7 @@ def trace_graph(flat: FlatDraw, settings, detach_guide_proposals: bool) -> torch
     """
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    function = _estimate_function(flat, settings, detach_guide_proposals)
+    function = _estimate_function(flat, detach_guide_proposals)
     check_no_custom_backward(function, flat.tensors)
     try:
         graph = make_fx(function, tracing_mode="fake")(*flat.tensors)
@@ -341,8 +329,6 @@ class EstimateProgram:
         self, draw, sources: Optional[Dict[str, torch.Tensor]], detach_guide_proposals: bool
     ) -> Optional[torch.Tensor]:
         """``log P_TMC`` of the draw by its plan's program, or ``None`` where the eager path must run."""
-        if factor_budget(draw.model_trace, draw.settings.max_factor_elements()) is not None:
-            return None  # chunked factors checkpoint their slices: eager only
         validate_samples(draw.model_trace, draw.guide_trace)
         flat = flatten_draw(draw, sources, detach_guide_proposals)
         program = self._programs.get(flat.key, _MISSING)
@@ -350,7 +336,7 @@ class EstimateProgram:
             if len(self._programs) >= MAX_PLANS:
                 self._warn_too_many_plans()
                 return None
-            program = self._build(flat, draw.settings, detach_guide_proposals)
+            program = self._build(flat, detach_guide_proposals)
             self._programs[flat.key] = program
         if program is None:
             return None
@@ -375,9 +361,9 @@ class EstimateProgram:
                 stacklevel=4,
             )
 
-    def _build(self, flat: FlatDraw, settings, detach_guide_proposals: bool) -> Optional[Callable]:
+    def _build(self, flat: FlatDraw, detach_guide_proposals: bool) -> Optional[Callable]:
         try:
-            graph = trace_graph(flat, settings, detach_guide_proposals)
+            graph = trace_graph(flat, detach_guide_proposals)
         except GraphFallback as reason:
             _warn_fallback(str(reason))
             return None

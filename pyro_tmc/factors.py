@@ -31,7 +31,8 @@ from . import log_density
 from .batched_densities import SiteDensities, site_densities
 from .checks import log_prob_error, packing_error
 from .contraction import ChunkedFactor, contract_log_factors
-from .memory import AUTO, can_chunk, factor_budget, itemsize, naming_the_largest_factor, naming_the_site
+from .evaluation import EvaluationPlan
+from .memory import can_chunk, itemsize, naming_the_largest_factor, naming_the_site
 from .proposals import proposal_log_prob, proposal_term_rule
 from .scales import ScalePlan, keep_scaled_unit_plates
 from .shapes import broadcast_shape, log_prob_shape
@@ -242,10 +243,9 @@ def guide_site_log_factors(
 def compute_log_factors(
     model_trace: Trace,
     guide_trace: Trace,
-    scales: ScalePlan,
+    plan: EvaluationPlan,
     sources: Optional[Dict[str, torch.Tensor]] = None,
     detach_guide_proposals: bool = False,
-    max_factor_elements: Optional[int] = None,
 ) -> List[LogFactor]:
     """
     Packed log factors of every model sample site and of every guide site the
@@ -254,23 +254,20 @@ def compute_log_factors(
     :param Trace model_trace: the model run under ``tmc`` against the guide's
         particles, with ``symbolize`` applied.
     :param Trace guide_trace: the guide run under ``tmc``.
-    :param ScalePlan scales: the draw's scale plan (:func:`pyro_tmc.scales.symbolize`).
+    :param EvaluationPlan plan: the draw's scales, and whether factors are whole
+        (densities stacked) or sliced under a budget (:mod:`pyro_tmc.evaluation`).
     :param dict sources: site name -> zero tensor added to that site's factor.
     :param bool detach_guide_proposals: see :func:`site_log_factors`.
-    :param max_factor_elements: see :func:`site_log_factors`, or ``"auto"``
-        (:func:`pyro_tmc.memory.factor_budget`).
     :raises FactorMemoryError: naming the site whose factor cannot be allocated.
     """
     sources = {} if sources is None else sources
-    setting = max_factor_elements if max_factor_elements in (None, AUTO) else max_factor_elements * itemsize()
-    max_factor_elements = factor_budget(model_trace, max_factor_elements)
-    # a memory budget bounds each factor: stacking a group would exceed it
-    densities = site_densities(model_trace, guide_trace) if max_factor_elements is None else None
+    scales = plan.scales
+    densities = site_densities(model_trace, guide_trace) if plan.stacks_densities else None
     factors = []
     for name, site in model_trace.nodes.items():
         if not is_sample(site):
             continue
-        with naming_the_site(name, setting):
+        with naming_the_site(name, plan.max_factor_bytes):
             terms = site_log_factors(
                 name,
                 model_trace,
@@ -278,7 +275,7 @@ def compute_log_factors(
                 scales.site_scale(name),
                 sources.get(name),
                 detach_guide_proposals,
-                max_factor_elements,
+                plan.max_factor_elements,
                 densities,
             )
         factors += [_log_factor(name, t, site, scales.plate_scales, densities) for t in terms]

@@ -32,6 +32,7 @@ from pyro.util import check_model_guide_match, check_traceenum_requirements
 
 from ..checks import check_finite, check_plate_dependencies, check_site_shapes
 from ..compiled import EstimateProgram
+from ..evaluation import EvaluationPlan, plan_evaluation
 from ..factors import LogFactor, compute_log_factors, contract_estimate
 from ..poutine import TMCMessenger
 from ..scales import ScalePlan, symbolize
@@ -77,12 +78,6 @@ class DrawSettings:
     #: ``dim -> K`` overriding every sampled site's count (the probe draw itself)
     particle_counts: Optional[Callable[[int], int]] = None
 
-    def max_factor_elements(self):
-        """The budget in elements, or ``"auto"`` (resolved per draw), or ``None``."""
-        if self.max_factor_bytes is None or self.max_factor_bytes == "auto":
-            return self.max_factor_bytes
-        return self.max_factor_bytes // (torch.finfo(torch.get_default_dtype()).bits // 8)
-
 
 @dataclass
 class TMCDraw:
@@ -93,8 +88,9 @@ class TMCDraw:
         pruned and symbolised.
     :param Trace guide_trace: the guide run under ``tmc`` (replayed on the leaves,
         when there are leaves).
-    :param ScalePlan scales: where each site's scale acts (:func:`pyro_tmc.scales.symbolize`),
-        passed to everything that computes or reads the estimate.
+    :param EvaluationPlan plan: how its estimate is evaluated: the scale plan, the
+        memory budget, stacked densities, eager or compiled (:mod:`pyro_tmc.evaluation`),
+        decided once and passed to everything that computes or reads the estimate.
     :param DrawSettings settings: how it was made.
     :param Trace live_trace: the guide's trace as drawn, differentiable in its
         parameters, when the particles were replaced by leaves; else ``None``.
@@ -103,7 +99,7 @@ class TMCDraw:
 
     model_trace: Trace
     guide_trace: Trace
-    scales: ScalePlan
+    plan: EvaluationPlan
     settings: DrawSettings
     live_trace: Optional[Trace] = None
     leaves: Dict[str, torch.Tensor] = field(default_factory=dict)
@@ -136,13 +132,19 @@ class TMCDraw:
             guide_trace = replay_guide(guide, leaf_trace, args, kwargs, settings)
         model_trace = run_model(model, guide_trace, args, kwargs, settings)
         model_trace, guide_trace, scales = finish(model_trace, guide_trace, settings.max_plate_nesting)
+        plan = plan_evaluation(model_trace, scales, settings.max_factor_bytes, settings.program)
         check = settings.broadcast_check
         if check is not None and check.wanted() and not settings.joint:
             run_probe(lambda probe: traces_of_one_draw(model, guide, args, kwargs, probe), settings)
             check.done = True
-        return cls(model_trace, guide_trace, scales, settings, live_trace, leaves)
+        return cls(model_trace, guide_trace, plan, settings, live_trace, leaves)
 
     # -- what it holds -----------------------------------------------------------
+
+    @property
+    def scales(self) -> ScalePlan:
+        """Where each site's scale acts (:func:`pyro_tmc.scales.symbolize`)."""
+        return self.plan.scales
 
     def site(self, name: str) -> dict:
         """The model's site ``name``, or the guide's when only the guide has it (an auxiliary latent)."""
@@ -157,12 +159,7 @@ class TMCDraw:
     ) -> List[LogFactor]:
         """The packed log factors of every site (:func:`pyro_tmc.factors.compute_log_factors`)."""
         return compute_log_factors(
-            self.model_trace,
-            self.guide_trace,
-            self.scales,
-            sources,
-            detach_guide_proposals,
-            self.settings.max_factor_elements(),
+            self.model_trace, self.guide_trace, self.plan, sources, detach_guide_proposals
         )
 
     # -- the estimate --------------------------------------------------------------
@@ -177,8 +174,9 @@ class TMCDraw:
         :param bool detach_guide_proposals: stop the gradient through the guide's density.
         :raises ValueError: naming the site, if the estimate is not finite.
         """
-        if self.settings.program is not None:
-            estimate = self.settings.program.log_estimate(self, sources, detach_guide_proposals)
+        program = self.plan.compiled_program
+        if program is not None:
+            estimate = program.log_estimate(self, sources, detach_guide_proposals)
             if estimate is not None and torch.isfinite(estimate).all():
                 return estimate
             # not finite, or no program for this plan: the eager path (whose check names the site)
