@@ -68,17 +68,21 @@ def particles(draw, name: str) -> torch.Tensor:
     return draw.guide_trace.nodes[name]["value"].squeeze()
 
 
-def brute_force(a, b, c, x):
+def brute_force(a, b, c, x, proposal="mixture"):
     """
     log P_TMC summed by hand: mean over c's particles j of its weight times, per
-    data point n, the mean over the group's shared index k of a's and b's weights
-    (b's proposal: the mixture over c's particles, the default proposal).
-    Also the posterior marginal of the group's index k, per data point.
+    data point n, the mean over the group's shared index k of a's and b's weights.
+    b's proposal density given all of c's particles: the mixture over them, or
+    for ``"diagonal"`` the one of the same index k. Also the posterior marginal of
+    the group's index k, per data point.
     """
     normal = dist.Normal
     log_w_c = normal(0.0, 1.0).log_prob(c) - normal(C_LOC, C_SCALE).log_prob(c)  # (J,)
     cj = c[:, None, None]  # (J, K, N)
-    log_q_b = normal(B_A * a + B_C * cj, B_SCALE).log_prob(b).logsumexp(0) - math.log(len(c))  # (K, N)
+    if proposal == "diagonal":
+        log_q_b = normal(B_A * a + B_C * c[:, None], B_SCALE).log_prob(b)  # (K, N)
+    else:
+        log_q_b = normal(B_A * a + B_C * cj, B_SCALE).log_prob(b).logsumexp(0) - math.log(len(c))
     log_w_group = (
         normal(cj, 1.0).log_prob(a)
         + normal(a, 1.0).log_prob(b)
@@ -97,14 +101,14 @@ def brute_force(a, b, c, x):
     return log_p, marginal_k
 
 
-@pytest.mark.parametrize("num_samples", [2, 3])
-def test_estimate_equals_brute_force_over_shared_indices(float64, num_samples):
+@pytest.mark.parametrize("num_samples,proposal", [(2, "mixture"), (3, "mixture"), (3, "diagonal")])
+def test_estimate_equals_brute_force_over_shared_indices(float64, num_samples, proposal):
     pyro.set_rng_seed(0)
-    elbo = TMC_ELBO(num_samples=num_samples, max_plate_nesting=1)
+    elbo = TMC_ELBO(num_samples=num_samples, max_plate_nesting=1, proposal=proposal)
     draw = elbo.draw(model, guide, X)
     a, b, c = (particles(draw, name) for name in "abc")
     assert a.shape == b.shape == (num_samples, 3) and c.shape == (num_samples,)
-    expected, marginal_k = brute_force(a, b, c, X)
+    expected, marginal_k = brute_force(a, b, c, X, proposal)
     assert torch.allclose(draw.log_estimate(), expected, rtol=0, atol=1e-10)
     # one particle dim for the pair: the members' marginals are the group's, equal
     marginals = draw.marginals()
