@@ -6,7 +6,9 @@ the exact ``log p(x)`` of a jointly Gaussian model for unbiasedness (4 measured
 standard errors); the packed dims of the factors for the memory claim.
 """
 
+import importlib.util
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -313,3 +315,24 @@ def test_error_on_a_group_not_named_by_a_string():
 
     with pytest.raises(ValueError, match=r"Site 'c' sets infer\['particle_group'\] = 1"):
         TMC_ELBO(num_samples=3, max_plate_nesting=1).loss(model_c, bad_guide, X)
+
+
+# -- radon at K=30 ------------------------------------------------------------------------------
+
+
+def test_radon_at_k30_runs_with_its_state_latents_grouped(fresh_pyro):
+    """alan's radon model, AutoNormal's four per-state auxiliary sites in one group: at K=30 the
+    observation factor has one particle dim (30 x 600 elements, not 30^4 x 600)."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "particle_groups.py"
+    spec = importlib.util.spec_from_file_location("particle_groups_benchmark", script)
+    benchmark = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(benchmark)
+    data = benchmark.load("radon")
+    guide_ = benchmark.make_guide(data.model, grouped=True)
+    elbo = TMC_ELBO(num_samples=30, max_plate_nesting=data.max_plate_nesting)
+    svi = pyro.infer.SVI(data.model, guide_, pyro.optim.Adam({"lr": 0.1}), elbo)
+    assert all(math.isfinite(svi.step(*data.train)) for _ in range(2))
+    draw = elbo.draw(data.model, guide_, *data.train)
+    assert len(particle_symbols_of(draw, "log_radon")) == 1
+    (log_p,) = [f.term for f in draw.factors() if f.site == "log_radon"]
+    assert log_p.numel() == 30 * 600
