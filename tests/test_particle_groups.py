@@ -249,6 +249,12 @@ def test_autonormal_grouped_by_its_auxiliary_sites(float64):
     assert len(particle_symbols_of(draw, "x")) == 1
     samples = draw.sample(5)
     assert samples["z0"].shape == (5, 3)
+    # the Delta sites read their auxiliary sites' particles: one index for all four
+    values = {f"z{i}": draw.model_trace.nodes[f"z{i}"]["value"].squeeze() for i in range(4)}  # (K, N)
+    picked = [(samples[name][:, None, :] == value[None]).double().argmax(1) for name, value in values.items()]
+    assert all(torch.equal(picked[0], k) for k in picked[1:])
+    marginals = draw.marginals()
+    assert all(torch.allclose(marginals["z0"].log_weights, marginals[n].log_weights) for n in values)
 
 
 def test_iwae_ignores_groups(float64):
