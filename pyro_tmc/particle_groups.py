@@ -140,7 +140,11 @@ def check_model_agrees(name: str, model_group: str, msg, groups: Dict[str, Parti
         agrees = draw.group == model_group
     else:  # a Delta guide site: its value carries the particle dim of the site it came from
         group = groups.get(model_group)
-        agrees = group is not None and group.dim in msg["infer"].get("_dim_to_id", {})
+        value = msg["value"]
+        batch = value.shape[: value.dim() - msg["fn"].event_dim]
+        agrees = group is not None and (
+            group.num_samples == 1 or (-group.dim <= len(batch) and batch[group.dim] > 1)
+        )
     if not agrees:
         raise ValueError(
             f"Site '{name}' sets infer['{PARTICLE_GROUP}'] = '{model_group}' in the model, but its "
