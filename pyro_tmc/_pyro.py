@@ -7,7 +7,10 @@ symbol, on a Pyro version that lacks one. When Pyro changes, this file (and the
 test) is where it shows.
 """
 
-from typing import Callable, Collection, List, Tuple
+from contextlib import contextmanager
+from typing import Callable, Collection, Dict, Iterator, List, Tuple
+
+import torch
 
 import pyro
 from pyro.infer.elbo import ELBO
@@ -45,6 +48,24 @@ def allocate_particle_dim(avoid: Collection[int], recyclable: bool) -> Tuple[int
     return _ENUM_ALLOCATOR.allocate(None)
 
 
+@contextmanager
+def param_store_holding(unconstrained: Dict[str, torch.Tensor]) -> Iterator[None]:
+    """
+    A context in which the param store's named parameters are the given
+    unconstrained tensors (``pyro.param(name)`` constrains them as usual), so
+    that a captured step reads its parameters as graph inputs
+    (:mod:`pyro_tmc.captured_step`); the store's own tensors come back on exit.
+    ``ParamStoreDict`` has no public setter that keeps a parameter's identity.
+    """
+    store = pyro.get_param_store()
+    saved = {name: store._params[name] for name in unconstrained}
+    store._params.update(unconstrained)
+    try:
+        yield
+    finally:
+        store._params.update(saved)
+
+
 #: EnumMessenger's bookkeeping that TMCMessenger reads after delegating to it:
 #: the dims visible to each site (upstream particles) and those its value carries.
 ENUM_MESSENGER_STATE = ("_param_dims", "_value_dims", "_markov_depths")
@@ -64,26 +85,23 @@ def missing_private_names() -> List[str]:
     import pyro.poutine.handlers as handlers
     import pyro.poutine.runtime as runtime
 
-    for module, name in (
-        (handlers, "_make_handler"),
-        (runtime, "_ENUM_ALLOCATOR"),
-    ):
-        if not hasattr(module, name):
-            missing.append(f"{module.__name__}.{name}")
     messenger = EnumMessenger()
-    with messenger:
-        for name in ENUM_MESSENGER_STATE:
-            if not hasattr(messenger, name):
-                missing.append(f"EnumMessenger.{name}")
-    allocator = getattr(runtime, "_ENUM_ALLOCATOR", None)
-    for name in ("next_available_dim", "dim_to_id", "allocate"):
-        if allocator is not None and not hasattr(allocator, name):
-            missing.append(f"pyro.poutine.runtime._ENUM_ALLOCATOR.{name}")
-    for name in ELBO_METHODS:
-        if not hasattr(ELBO, name):
-            missing.append(f"ELBO.{name}")
-    if not hasattr(LogRing, "product"):
-        missing.append("LogRing.product")
+    with messenger:  # its state exists while it is active
+        owners = [
+            (handlers, "pyro.poutine.handlers", ["_make_handler"]),
+            (runtime, "pyro.poutine.runtime", ["_ENUM_ALLOCATOR"]),
+            (messenger, "EnumMessenger", list(ENUM_MESSENGER_STATE)),
+            (
+                getattr(runtime, "_ENUM_ALLOCATOR", None),
+                "pyro.poutine.runtime._ENUM_ALLOCATOR",
+                ["next_available_dim", "dim_to_id", "allocate"],
+            ),
+            (ELBO, "ELBO", list(ELBO_METHODS)),
+            (LogRing, "LogRing", ["product"]),
+            (pyro.get_param_store(), "ParamStoreDict", ["_params"]),
+        ]
+        for owner, label, names in owners:
+            missing += [f"{label}.{name}" for name in names if owner is not None and not hasattr(owner, name)]
     return missing
 
 

@@ -16,6 +16,7 @@ import torch
 from pyro.poutine import Trace
 from pyro.util import check_site_shape
 
+from .log_einsum import checks_deferred
 from .shapes import log_prob_shape
 from .sites import is_sample, particle_symbol, plate_symbols
 
@@ -23,6 +24,14 @@ from .sites import is_sample, particle_symbol, plate_symbols
 def log_prob_error(site, error: ValueError) -> ValueError:
     """A distribution's complaint about a value, naming the site it came from."""
     return ValueError(f"Error while computing log_prob at site '{site['name']}': {error}")
+
+
+def observed_nan_error(site: str) -> ValueError:
+    """An observed value with missing entries, and how to keep them out."""
+    return ValueError(
+        f"The observed value of site '{site}' contains NaN. Remove the missing entries, or "
+        "mask them out with poutine.mask (or obs_mask) and give them any finite placeholder."
+    )
 
 
 def packing_error(site, tensor: torch.Tensor, dim_to_symbol) -> ValueError:
@@ -49,6 +58,8 @@ def validate_samples(model_trace: Trace, guide_trace: Trace) -> None:
                 try:
                     fn._validate_sample(site["value"])
                 except ValueError as error:
+                    if site["is_observed"] and torch.isnan(site["value"]).any():
+                        raise observed_nan_error(site["name"]) from error
                     raise log_prob_error(site, error) from error
 
 
@@ -151,18 +162,15 @@ def check_finite(
     :raises ValueError: naming the first site whose factor holds a NaN or
         +inf, or is -inf everywhere.
     """
-    if torch.isfinite(estimate).all():
-        return
+    if checks_deferred() or torch.isfinite(estimate).all():
+        return  # a graph being traced: its caller recomputes a non-finite estimate eagerly
     for factor in factors:
         site = factor.site
         has_nan, has_posinf, all_neginf = _non_finite(factor.term)
         if has_nan:
             node = model_trace.nodes.get(site) if model_trace is not None else None
             if node is not None and node["is_observed"] and torch.isnan(node["value"]).any():
-                raise ValueError(
-                    f"The observed value of site '{site}' contains NaN. Remove the missing entries, or "
-                    "mask them out with poutine.mask (or obs_mask) and give them any finite placeholder."
-                )
+                raise observed_nan_error(site)
             raise ValueError(
                 f"TMC factor of site '{site}' contains NaN: check its distribution's parameters."
             )

@@ -370,14 +370,14 @@ class EstimateProgram:
         self.traces += 1
         if self.mode == "inductor":
             options = {"dynamic": False, **self.options}
-            return _keeping_validation_default(torch.compile(graph, **options))
+            return keeping_validation_default(torch.compile(graph, **options))
         return graph
 
 
 _MISSING = object()
 
 
-def _keeping_validation_default(compiled: Callable) -> Callable:
+def keeping_validation_default(compiled: Callable) -> Callable:
     """
     The compiled program, run so that it leaves torch.distributions' default
     validation as it found it: on first use, TorchDynamo switches it off for the

@@ -96,6 +96,15 @@ def deferred_underflow_checks() -> Iterator[List[torch.Tensor]]:
         _DEFERRED_FLAGS.reset(token)
 
 
+def checks_deferred() -> bool:
+    """
+    Whether value checks are deferred (:func:`deferred_underflow_checks`): a graph
+    is being traced, so a check that reads a tensor's value must not run; the
+    caller checks the graph's outputs instead.
+    """
+    return _DEFERRED_FLAGS.get() is not None
+
+
 def any_flag(flags: List[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
     """A boolean scalar: whether any of the flags collected by :func:`deferred_underflow_checks` is set."""
     if not flags:
@@ -290,6 +299,7 @@ def sequential_log_matmul_exp(logits: torch.Tensor) -> torch.Tensor:
 
 __all__ = [
     "any_flag",
+    "checks_deferred",
     "deferred_underflow_checks",
     "einsum",
     "log_matmul_exp",

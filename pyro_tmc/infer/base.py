@@ -16,8 +16,26 @@ class DifferentiableLossELBO(ELBO):
         with torch.no_grad():
             return self.differentiable_loss(model, guide, *args, **kwargs).item()
 
+    #: the loss's captured steps (:class:`~pyro_tmc.captured_step.StepProgram`), or ``None``: eager
+    step_program = None
+
     def loss_and_grads(self, model, guide, *args, **kwargs) -> float:
-        """Computes minus the bound, backpropagates it, and returns it as a float."""
+        """
+        Computes minus the bound, backpropagates it, and returns it as a float:
+        by a captured graph of the whole step where the loss has one
+        (:mod:`pyro_tmc.captured_step`), else eagerly.
+        """
+        if self.step_program is None or not torch.is_grad_enabled():
+            return self._eager_loss_and_grads(model, guide, args, kwargs)
+        return self.step_program.loss_and_grads(
+            lambda a, k: self._eager_loss_and_grads(model, guide, a, k),
+            lambda *a, **k: self.differentiable_loss(model, guide, *a, **k),
+            args,
+            kwargs,
+            functions=(model, guide),
+        )
+
+    def _eager_loss_and_grads(self, model, guide, args, kwargs) -> float:
         loss = self.differentiable_loss(model, guide, *args, **kwargs)
         if loss.requires_grad:
             loss.backward(retain_graph=self.retain_graph)

@@ -34,6 +34,7 @@ from ..checks import check_finite, check_plate_dependencies, check_site_shapes
 from ..compiled import EstimateProgram
 from ..evaluation import EvaluationPlan, plan_evaluation
 from ..factors import LogFactor, compute_log_factors, contract_estimate
+from ..log_einsum import checks_deferred
 from ..poutine import TMCMessenger
 from ..scales import ScalePlan, symbolize
 from ..sites import (
@@ -174,7 +175,8 @@ class TMCDraw:
         :param bool detach_guide_proposals: stop the gradient through the guide's density.
         :raises ValueError: naming the site, if the estimate is not finite.
         """
-        program = self.plan.compiled_program
+        # a whole step being captured computes its estimate in that graph, eagerly here
+        program = None if checks_deferred() else self.plan.compiled_program
         if program is not None:
             estimate = program.log_estimate(self, sources, detach_guide_proposals)
             if estimate is not None and torch.isfinite(estimate).all():

@@ -7,7 +7,9 @@ import torch
 
 from pyro.util import warn_if_nan
 
+from ..captured_step import CHECK_EVERY, StepProgram
 from ..compiled import EstimateProgram
+from ..log_einsum import checks_deferred
 from ..memory import check_max_factor_bytes
 from ..poutine.tmc_messenger import check_num_samples
 from ..proposals import check_proposal
@@ -65,16 +67,26 @@ class TMC_ELBO(DifferentiableLossELBO):
         ``None``: every factor whole, whatever its size. A factor that cannot
         fit even in its smallest slice raises
         :class:`~pyro_tmc.memory.FactorMemoryError` (a ``MemoryError``).
-    :param str compile: ``None`` (default): the estimate is computed eagerly.
-        ``"graph"``: the estimate's tensor operations are traced once per model
-        structure and shapes, then replayed on each step's tensors without the
-        Python that built them (:mod:`pyro_tmc.compiled`). ``"inductor"``: that
-        graph is also compiled by ``torch.compile``, which fuses each large
-        factor's log density with its reduction. Values and gradients equal the
-        eager path's; a model whose estimate cannot be traced runs eagerly, with
-        one warning.
+    :param str compile: ``None`` (default): every step runs eagerly.
+        ``"graph"``: each step of ``loss_and_grads`` (what ``SVI.step`` calls)
+        is captured once per argument shapes into one graph of tensor
+        operations (guide, model, estimate and gradients, random draws
+        included) and replayed at later steps with no Python per sample
+        statement (:mod:`pyro_tmc.captured_step`, whose docstring states the
+        contract: structure static for given argument shapes). ``"inductor"``:
+        that graph is also compiled by ``torch.compile``. Values and gradients
+        equal the eager step's on the same draws; what cannot be captured runs
+        eagerly, with one warning saying why.
     :param dict compile_options: keyword arguments for ``torch.compile`` with
         ``compile="inductor"``, e.g. ``{"mode": "reduce-overhead"}`` (CUDA graphs).
+    :param str compile_scope: ``"step"`` (default): capture whole steps, as
+        above; ``"estimate"``: run guide and model eagerly and capture only the
+        estimate from their traces (:mod:`pyro_tmc.compiled`), for a model whose
+        structure changes from step to step. Whatever is not captured whole
+        (``loss``, ``differentiable_loss``, the read-outs) uses the estimate
+        program either way.
+    :param int check_every: with ``compile_scope="step"``, one step in this many
+        runs eagerly and checks that the model's structure is the captured one.
 
     References
 
@@ -93,12 +105,19 @@ class TMC_ELBO(DifferentiableLossELBO):
         max_factor_bytes: Union[int, str, None] = "auto",
         compile: Optional[str] = None,
         compile_options: Optional[dict] = None,
+        compile_scope: str = "step",
+        check_every: int = CHECK_EVERY,
         **kwargs,
     ) -> None:
         self.num_samples = check_num_samples(num_samples, "TMC_ELBO(num_samples)")
         self.max_factor_bytes = check_max_factor_bytes(max_factor_bytes)
         self.compile = compile
         self.program = None if compile is None else EstimateProgram(compile, compile_options)
+        if compile_scope not in ("step", "estimate"):
+            raise ValueError(f"compile_scope must be 'step' or 'estimate', got {compile_scope!r}")
+        self.compile_scope = compile_scope
+        if compile is not None and compile_scope == "step":
+            self.step_program = StepProgram(compile, compile_options, check_every)
         self.broadcast_check = BroadcastCheck()
         self.proposal = check_proposal(proposal)
         self.estimator = self._make_estimator(variance_reduction)
@@ -176,7 +195,8 @@ class TMC_ELBO(DifferentiableLossELBO):
                     total + self._checked(TMCDraw.run(model, guide, args, kwargs, settings)).log_estimate()
                 )
         loss = -total / self.num_particles
-        warn_if_nan(loss, "loss")
+        if not checks_deferred():  # a step being captured checks its output instead
+            warn_if_nan(loss, "loss")
         return loss
 
     # -- the posterior of one draw -------------------------------------------

@@ -1,0 +1,412 @@
+"""One graph per step: a loss's whole step captured once per structure, then replayed.
+
+Pyro runs the guide and the model statement by statement at every step, so a step
+costs at least the Python of every sample statement, whatever the tensor work.
+With ``TMC_ELBO(compile=...)``, :meth:`~pyro.infer.ELBO.loss_and_grads` is
+captured instead: the guide under ``tmc``, the model against its particles, the
+estimate and its gradients are traced by ``make_fx`` (with fake tensors) into one
+graph of tensor operations. Its inputs are the param store's unconstrained
+tensors and the tensors among the step's arguments; its random draws are
+operations of the graph, so each replay draws afresh from torch's generator and
+``pyro.set_rng_seed`` makes a run reproducible. The graph is replayed at later
+steps (``"graph"``), or compiled by ``torch.compile`` (``"inductor"``).
+
+The contract, as Pyro's ``JitTrace_ELBO`` states its own:
+
+- **Structure is static** for given argument shapes and non-tensor arguments: the
+  sites, their distributions and plates, the Python control flow. The key of a
+  capture is each tensor argument's shape, dtype, device and ``requires_grad``,
+  each other argument's value (or identity), the default dtype, and the
+  parameters' names and shapes. A new key means a new capture (at most
+  :data:`MAX_CAPTURES` per loss).
+- **The first step of a key runs eagerly**, with every check when validation is
+  on; the second is captured (and returns its values); the rest are replayed.
+- **What cannot be captured runs eagerly, with one warning saying why**: a branch
+  on a tensor's value, a tensor read that is neither a parameter nor an argument
+  (a data tensor held by a closure: pass it as an argument). The backward pass is
+  traced as it runs, so a custom ``autograd.Function``'s own backward is in the
+  graph (unlike the estimate-only program of :mod:`pyro_tmc.compiled`).
+- **A structure change that keeps every shape** (a Python ``if`` on a global
+  flag) cannot be seen by a replayed graph. Every ``check_every``-th step of a key
+  runs eagerly and compares its structure (each site's name, distribution,
+  shapes, plates and ``infer`` flags) with the captured one; on a change the loss
+  warns and captures again. Between two checks, a step runs the structure that was
+  captured. ``check_every=1`` checks every step (and so captures nothing useful).
+- **A step whose value is not finite, or whose log-space products underflowed**
+  (:func:`pyro_tmc.log_einsum.deferred_underflow_checks`), runs again eagerly
+  from the same random state, where the products are repaired and a bad site is
+  named.
+
+Parameters are found by name in the param store. ``nn.Module`` parameters
+registered by ``pyro.module`` are there too, but a plain module reads its own
+tensors: during capture they are swapped for the graph's inputs in every module
+that holds them, and put back after.
+"""
+
+import gc
+import warnings
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
+
+import torch
+
+import pyro
+from pyro.poutine.messenger import Messenger
+
+from ._pyro import param_store_holding
+from .compiled import MODES, GraphFallback, keeping_validation_default
+from .log_einsum import any_flag, deferred_underflow_checks
+
+#: keys captured per loss: an argument whose shape changes every step stops being captured after this many
+MAX_CAPTURES = 8
+
+#: default for ``check_every``: one eager step in this many compares the model's structure with the capture
+CHECK_EVERY = 100
+
+
+# -- what a step is, for a key ------------------------------------------------------------
+
+_ATOMS = (type(None), bool, int, float, str, torch.dtype, torch.device)
+
+
+def flatten_arguments(args: tuple, kwargs: dict) -> Tuple[List[torch.Tensor], tuple, Callable]:
+    """
+    The tensors among a step's arguments, a key for the rest, and a function that
+    rebuilds ``(args, kwargs)`` around other tensors. Tuples, lists and dicts are
+    walked; another object is keyed by its identity.
+    """
+    tensors: List[torch.Tensor] = []
+    key: List[Any] = []
+
+    def walk(obj):
+        if isinstance(obj, torch.Tensor):
+            tensors.append(obj)
+            key.append(("T", tuple(obj.shape), obj.dtype, obj.device, obj.requires_grad))
+            return _Slot(len(tensors) - 1)
+        if isinstance(obj, _ATOMS):
+            key.append(obj)
+            return obj
+        if type(obj) in (tuple, list):
+            key.append((type(obj), len(obj)))
+            return type(obj)(walk(item) for item in obj)
+        if type(obj) is dict:
+            key.append((dict, tuple(obj)))
+            return {name: walk(value) for name, value in obj.items()}
+        key.append(("id", type(obj), id(obj)))
+        return obj
+
+    template = (walk(tuple(args)), walk(dict(kwargs)))
+
+    def rebuild(inputs: List[torch.Tensor]) -> Tuple[tuple, dict]:
+        return _fill(template[0], inputs), _fill(template[1], inputs)
+
+    return tensors, tuple(key), rebuild
+
+
+class _Slot(NamedTuple):
+    index: int
+
+
+def _fill(obj, inputs: List[torch.Tensor]):
+    if isinstance(obj, _Slot):
+        return inputs[obj.index]
+    if type(obj) in (tuple, list):
+        return type(obj)(_fill(item, inputs) for item in obj)
+    if type(obj) is dict:
+        return {name: _fill(value, inputs) for name, value in obj.items()}
+    return obj
+
+
+class StructureRecorder(Messenger):
+    """
+    Records each sample and param statement's structure: name, distribution type,
+    value shape, plates and public ``infer`` flags (no values). Two runs of a model
+    with the same record take the same Python path through its statements.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.record: List[tuple] = []
+        self.param_names: List[str] = []
+
+    def _postprocess_message(self, msg) -> None:
+        if msg["type"] == "param":
+            if msg["name"] not in self.param_names:
+                self.param_names.append(msg["name"])
+            return
+        if msg["type"] != "sample":
+            return
+        value = msg["value"]
+        self.record.append(
+            (
+                msg["name"],
+                type(msg["fn"]).__name__,
+                tuple(value.shape) if isinstance(value, torch.Tensor) else None,
+                msg["is_observed"],
+                tuple((f.name, f.size, f.dim) for f in msg["cond_indep_stack"]),
+                tuple(sorted((k, repr(v)) for k, v in msg["infer"].items() if not k.startswith("_"))),
+            )
+        )
+
+
+# -- the parameters a step reads ------------------------------------------------------------
+
+
+def unconstrained_parameters(names: List[str]) -> List[torch.Tensor]:
+    """The param store's unconstrained tensors of the named parameters."""
+    store = pyro.get_param_store()
+    return [store.get_param(name).unconstrained() for name in names]
+
+
+def modules_holding(tensors: List[torch.Tensor]) -> List[Tuple[torch.nn.Module, str, int]]:
+    """
+    ``(module, attribute, index)`` for every ``nn.Module`` attribute that holds one of
+    ``tensors`` (by identity): where a module registered by ``pyro.module`` reads its
+    parameters, which the param store cannot redirect. A scan of live objects, once
+    per capture.
+    """
+    index_of = {id(t): i for i, t in enumerate(tensors)}
+    holders = []
+    for obj in gc.get_objects():
+        # type(), not isinstance: a weak proxy among the objects would raise, a lazy module warn
+        if issubclass(type(obj), torch.nn.Module):
+            for attribute, value in obj._parameters.items():
+                if value is not None and id(value) in index_of:
+                    holders.append((obj, attribute, index_of[id(value)]))
+    return holders
+
+
+class _ModulesHolding:
+    """A context in which the modules' parameters are the given tensors; the originals come back on exit."""
+
+    def __init__(self, holders, tensors: List[torch.Tensor]) -> None:
+        self.holders, self.tensors = holders, tensors
+
+    def __enter__(self) -> None:
+        self.saved = [module._parameters[attribute] for module, attribute, _ in self.holders]
+        for module, attribute, index in self.holders:
+            module._parameters[attribute] = self.tensors[index]
+
+    def __exit__(self, *exc) -> None:
+        for (module, attribute, _), original in zip(self.holders, self.saved):
+            module._parameters[attribute] = original
+
+
+# -- one captured step ----------------------------------------------------------------
+
+
+class CapturedStep(NamedTuple):
+    """A key's captured step: its graph, and what it was captured with."""
+
+    program: Optional[Callable]  # None: this key runs eagerly
+    graph: Optional[Callable]  # the traced graph itself (replayed at a check to compare values)
+    param_names: List[str]
+    param_specs: List[tuple]
+    structure: List[tuple]
+
+
+def _spec(tensor: torch.Tensor) -> tuple:
+    return tuple(tensor.shape), tensor.dtype, tensor.device
+
+
+def capture_step(
+    differentiable_loss: Callable, param_names: List[str], arguments: List[torch.Tensor], rebuild: Callable
+) -> Tuple[torch.fx.GraphModule, List[tuple]]:
+    """
+    Trace ``differentiable_loss(*args, **kwargs)`` and its gradient with respect
+    to the named parameters into one graph of ``(params..., arguments...) ->
+    (loss, underflow, grads...)``.
+
+    :returns: the graph and the structure it recorded.
+    :raises GraphFallback: where tracing fails (a branch on values, a tensor read
+        that is not an input) or the step uses a custom ``autograd.Function``.
+    """
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    params = unconstrained_parameters(param_names)
+    holders = modules_holding(params)
+    recorded: List[list] = []
+
+    def step(*inputs: torch.Tensor):
+        # leaves standing for the parameters: the gradient is taken with respect to them
+        leaves = [torch.nn.Parameter(p) for p in inputs[: len(params)]]
+        args, kwargs = rebuild(list(inputs[len(params) :]))
+        recorder = StructureRecorder()
+        with param_store_holding(dict(zip(param_names, leaves))), _ModulesHolding(holders, leaves):
+            with pyro.validation_enabled(False), deferred_underflow_checks() as flags, recorder:
+                loss = differentiable_loss(*args, **kwargs)
+                underflow = any_flag(flags, loss)
+            grads = torch.autograd.grad(loss, leaves, allow_unused=True) if leaves else ()
+        recorded.append(recorder.record)
+        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(leaves, grads)]
+        return (loss.detach(), underflow, *grads)
+
+    inputs = params + arguments
+    try:
+        graph = make_fx(step, tracing_mode="fake")(*inputs)
+    except Exception as error:  # any failure: the eager step is always right
+        raise GraphFallback(f"{type(error).__name__}: {error}") from error
+    return graph, recorded[-1]
+
+
+class StepProgram:
+    """
+    The captured steps of one loss, keyed by the step's arguments (see the module docstring).
+
+    :param str mode: ``"graph"`` (replay the traced operations) or ``"inductor"``
+        (``torch.compile`` them).
+    :param dict options: keyword arguments for ``torch.compile`` (``"inductor"`` only).
+    :param int check_every: one step in this many, per key, runs eagerly and
+        compares the model's structure with the capture.
+    """
+
+    def __init__(self, mode: str, options: Optional[dict] = None, check_every: int = CHECK_EVERY) -> None:
+        if mode not in MODES[1:]:
+            raise ValueError(f"compile must be one of {MODES}, got {mode!r}")
+        if not isinstance(check_every, int) or check_every < 1:
+            raise ValueError(f"check_every must be a positive int, got {check_every!r}")
+        self.mode = mode
+        self.options = dict(options or {})
+        self.check_every = check_every
+        self._steps: Dict[tuple, CapturedStep] = {}
+        self._seen: Dict[tuple, int] = {}  # key -> steps taken
+        self.captures = 0  # how many steps were captured (tests read it)
+        self.replays = 0
+        self._warned = False
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)  # graphs do not pickle: a copy captures its own
+        state["_steps"], state["_seen"] = {}, {}
+        return state
+
+    def loss_and_grads(
+        self, eager_step: Callable, differentiable_loss: Callable, args, kwargs, functions: tuple = ()
+    ) -> float:
+        """
+        One step: ``-bound`` as a float, its gradient accumulated into each parameter's ``.grad``.
+
+        :param eager_step: ``(args, kwargs) -> float``, the loss's own eager ``loss_and_grads``.
+        :param differentiable_loss: ``(*args, **kwargs) -> loss``, what is captured.
+        :param tuple functions: the model and guide, part of the key (by identity).
+        """
+        arguments, key, rebuild = flatten_arguments(args, kwargs)
+        key = key + (torch.get_default_dtype(),) + tuple(map(_identity, functions))
+        count = self._seen.get(key, 0)
+        self._seen[key] = count + 1
+        captured = self._steps.get(key)
+        if count == 0 or (captured is not None and captured.program is None):
+            return eager_step(args, kwargs)  # the first step of a key runs every check
+        if captured is None:
+            if len(self._steps) >= MAX_CAPTURES:
+                return eager_step(args, kwargs)
+            return self._capture(key, differentiable_loss, arguments, rebuild, eager_step, args, kwargs)
+        if count % self.check_every == 0:
+            return self._checked_eager(eager_step, args, kwargs, key, arguments)
+        return self._replay(captured, arguments, eager_step, args, kwargs)
+
+    # -- eager steps ------------------------------------------------------------------
+
+    def _checked_eager(self, eager_step, args, kwargs, key, arguments) -> float:
+        """
+        An eager step that checks the capture: the model's structure must be the
+        captured one, and the captured graph, replayed from the same random state,
+        must give the same value (a changed constant or global shows there).
+        """
+        captured = self._steps[key]
+        params = unconstrained_parameters(captured.param_names)
+        rng_state = _rng_state(params + arguments)
+        recorder = StructureRecorder()
+        with recorder:
+            loss = eager_step(args, kwargs)
+        changed = recorder.record != captured.structure
+        if not changed and [_spec(p) for p in params] == captured.param_specs:
+            _set_rng_state(rng_state)
+            with torch.no_grad():
+                replayed, underflow, *_ = captured.graph(*params, *arguments)
+            after = _rng_state(params + arguments)
+            changed = not bool(underflow) and not _close(replayed.item(), loss)
+            _set_rng_state(after)
+        if changed:
+            warnings.warn(
+                "pyro_tmc: this loss's step no longer matches its capture, with the same argument "
+                "shapes (its structure or a value it reads changed: a Python branch or constant "
+                "that is not an argument); the step is captured again. Steps between the change "
+                "and this check ran the old step: pass what changes as an argument, or lower "
+                "check_every.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            del self._steps[key]
+        return loss
+
+    # -- capture and replay ---------------------------------------------------------
+
+    def _capture(self, key, differentiable_loss, arguments, rebuild, eager_step, args, kwargs) -> float:
+        recorder = StructureRecorder()
+        with recorder:  # the parameters this step reads, from an eager run (also this step's result)
+            loss = eager_step(args, kwargs)
+        names = recorder.param_names
+        try:
+            graph, structure = capture_step(differentiable_loss, names, arguments, rebuild)
+        except GraphFallback as reason:
+            self._steps[key] = CapturedStep(None, None, names, [], [])
+            _warn_fallback(str(reason))
+            return loss
+        if structure != recorder.record:
+            self._steps[key] = CapturedStep(None, None, names, [], [])
+            _warn_fallback("the model's structure differs from one run to the next with the same arguments")
+            return loss
+        self.captures += 1
+        program = graph
+        if self.mode == "inductor":
+            program = keeping_validation_default(torch.compile(graph, **{"dynamic": False, **self.options}))
+        specs = [_spec(p) for p in unconstrained_parameters(names)]
+        self._steps[key] = CapturedStep(program, graph, names, specs, structure)
+        return loss
+
+    def _replay(self, captured: CapturedStep, arguments, eager_step, args, kwargs) -> float:
+        params = [pyro.param(name).unconstrained() for name in captured.param_names]  # SVI sees them
+        if [_spec(p) for p in params] != captured.param_specs:
+            self._steps.pop(next(k for k, v in self._steps.items() if v is captured))
+            return eager_step(args, kwargs)
+        rng_state = _rng_state(params + arguments)
+        loss, underflow, *grads = captured.program(*params, *arguments)
+        if bool(underflow) or not torch.isfinite(loss):
+            _set_rng_state(rng_state)  # the same draw, eagerly: products repaired, a bad site named
+            return eager_step(args, kwargs)
+        self.replays += 1
+        for param, grad in zip(params, grads):
+            param.grad = grad if param.grad is None else param.grad + grad
+        return loss.item()
+
+
+def _close(a: float, b: float, rtol: float = 1e-4) -> bool:
+    return abs(a - b) <= rtol * max(1.0, abs(a), abs(b))
+
+
+def _identity(function: Callable) -> tuple:
+    """A function's identity: a bound method's is its function's and its object's (new each access)."""
+    return id(getattr(function, "__func__", function)), id(getattr(function, "__self__", None))
+
+
+def _rng_state(tensors: List[torch.Tensor]) -> tuple:
+    devices = {t.device for t in tensors if t.device.type == "cuda"}
+    return torch.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in devices}
+
+
+def _set_rng_state(state: tuple) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    for device, device_state in cuda.items():
+        torch.cuda.set_rng_state(device_state, device)
+
+
+def _warn_fallback(reason: str) -> None:
+    reason = " ".join(reason.split())
+    if len(reason) > 300:
+        reason = reason[:300] + "..."
+    warnings.warn(
+        f"pyro_tmc could not capture this loss's step into one graph; it runs eagerly instead "
+        f"(same values, no speed-up). Reason: {reason}",
+        RuntimeWarning,
+        stacklevel=5,
+    )

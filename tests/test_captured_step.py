@@ -1,0 +1,298 @@
+"""TMC_ELBO(compile=...) captures whole steps: the replayed step equals the eager step.
+
+A replayed step draws its particles inside the graph, from torch's generator, by
+the same operations in the same order as the eager step. So from one RNG state,
+the replay and the eager step see the same draw, and their values and gradients
+must agree to float precision.
+"""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+import pyro
+import pyro.distributions as dist
+from pyro.infer import SVI
+
+from pyro_tmc import IWAE_ELBO, TMC_ELBO, TMC_RWS
+
+try:
+    from .test_compiled import _cases, toy_guide, toy_model
+except ImportError:  # tests/ is not a package: pytest puts it on sys.path
+    from test_compiled import _cases, toy_guide, toy_model
+
+
+def _params():
+    store = pyro.get_param_store()
+    return {name: store.get_param(name).unconstrained() for name in store.keys()}
+
+
+def _one_step(step, params):
+    """``step()``'s loss and the gradient it leaves in each parameter's ``.grad``."""
+    for p in params.values():
+        p.grad = None
+    loss = step()
+    return loss, {name: None if p.grad is None else p.grad.clone() for name, p in params.items()}
+
+
+def _replay_and_eager(make_loss, model, guide, args, mode="graph", **loss_kwargs):
+    """The same draw through a replayed step and through the eager step."""
+    loss = make_loss(compile=mode, **loss_kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no fallback
+        for _ in range(2):  # eager, then captured
+            loss.loss_and_grads(model, guide, *args)
+        params = _params()
+        state = torch.get_rng_state()
+        replayed = _one_step(lambda: loss.loss_and_grads(model, guide, *args), params)
+    assert loss.step_program.captures == 1 and loss.step_program.replays == 1
+    torch.set_rng_state(state)
+    eager = _one_step(lambda: loss._eager_loss_and_grads(model, guide, args, {}), params)
+    return replayed, eager
+
+
+def _assert_same(replayed, eager, rtol=1e-5):
+    (value_r, grads_r), (value_e, grads_e) = replayed, eager
+    assert value_r == pytest.approx(value_e, rel=rtol, abs=rtol)
+    assert grads_r.keys() == grads_e.keys()
+    for name, grad in grads_e.items():
+        other = grads_r[name]
+        if grad is None or other is None:  # a parameter this loss does not read
+            assert grad is None or not grad.abs().any()
+            continue
+        assert torch.allclose(other, grad, rtol=rtol, atol=rtol * max(1.0, grad.abs().max().item())), name
+
+
+@pytest.mark.parametrize("case", list(_cases()))
+@pytest.mark.parametrize("variance_reduction", [None, "stl", "dregs"])
+def test_replayed_step_equals_eager_step(case, variance_reduction):
+    if variance_reduction == "dregs" and case == "non_factorised":
+        pytest.skip("DReGs refuses a non-factorised guide (tests/test_estimators.py)")
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    model, guide, args, nesting = _cases()[case]
+
+    def make_loss(**kwargs):
+        return TMC_ELBO(
+            num_samples=4, max_plate_nesting=nesting, variance_reduction=variance_reduction, **kwargs
+        )
+
+    _assert_same(*_replay_and_eager(make_loss, model, guide, args))
+
+
+@pytest.mark.parametrize("make_loss", [IWAE_ELBO, TMC_RWS], ids=["iwae", "rws"])
+def test_replayed_step_equals_eager_step_other_losses(make_loss):
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    x = torch.randn(6)
+    _assert_same(
+        *_replay_and_eager(
+            lambda **kw: make_loss(num_samples=4, max_plate_nesting=1, **kw), toy_model, toy_guide, (x,)
+        )
+    )
+
+
+def test_nn_module_parameters_are_inputs():
+    """A plain nn.Module registered by pyro.module reads its own tensors: they are swapped in."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    encoder = torch.nn.Linear(3, 2)
+    x = torch.randn(5, 3)
+
+    def model(x):
+        with pyro.plate("data", x.shape[0], dim=-1):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0))
+            loc = z.unsqueeze(-1).expand(z.shape + (3,))
+            pyro.sample("x", dist.Normal(loc, 1.0).to_event(1), obs=x)
+
+    def guide(x):
+        pyro.module("encoder", encoder)
+        out = encoder(x)
+        with pyro.plate("data", x.shape[0], dim=-1):
+            pyro.sample("z", dist.Normal(out[..., 0], out[..., 1].exp()))
+
+    replayed, eager = _replay_and_eager(
+        lambda **kw: TMC_ELBO(num_samples=4, max_plate_nesting=1, **kw), model, guide, (x,)
+    )
+    _assert_same(replayed, eager)
+    assert replayed[1]["encoder$$$weight"].abs().sum() > 0
+    assert type(encoder.weight) is torch.nn.Parameter and not encoder.weight.grad_fn  # put back
+
+
+def test_svi_trains_and_reproduces_with_captured_steps():
+    """Under SVI unchanged: the optimiser sees the parameters; a seed reproduces the run."""
+
+    def run():
+        pyro.clear_param_store()
+        pyro.set_rng_seed(5)
+        x = torch.randn(6) + 2.0
+        loss = TMC_ELBO(num_samples=4, max_plate_nesting=1, compile="graph")
+        svi = SVI(toy_model, toy_guide, pyro.optim.Adam({"lr": 0.05}), loss)
+        losses = [svi.step(x) for _ in range(60)]
+        return losses, pyro.param("loc").detach().clone(), loss.step_program.replays
+
+    losses, loc, replays = run()
+    assert replays == 58
+    assert loc[0] > 0.3 + 1.0  # theta's mean moved well towards the data's mean, 2
+    again, loc_again, _ = run()
+    assert again == losses and torch.equal(loc, loc_again)
+
+
+def test_replayed_estimator_is_unbiased():
+    """With the parameters fixed, exp(-loss) over many replayed steps averages to p(x)."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(1)
+    x = torch.tensor([0.4, -1.1, 0.9], dtype=torch.float64)
+
+    def model(x):
+        theta = pyro.sample("theta", dist.Normal(torch.tensor(0.0, dtype=x.dtype), 1.0))
+        with pyro.plate("data", 3, dim=-1):
+            pyro.sample("x", dist.Normal(theta, 1.0), obs=x)
+
+    def guide(x):
+        loc = pyro.param("q_loc", lambda: torch.tensor(0.5, dtype=x.dtype))
+        pyro.sample("theta", dist.Normal(loc, 1.3))
+
+    # exact: x ~ N(0, I + 11^T)
+    cov = torch.eye(3, dtype=x.dtype) + 1.0
+    log_px = dist.MultivariateNormal(torch.zeros(3, dtype=x.dtype), cov).log_prob(x).item()
+    loss = TMC_ELBO(num_samples=3, max_plate_nesting=1, compile="graph")
+    weights = torch.tensor([math.exp(-loss.loss_and_grads(model, guide, x)) for _ in range(3000)])
+    assert loss.step_program.replays >= 2900  # one step in 100 is an eager check
+    mean, stderr = weights.mean().item(), weights.std().item() / math.sqrt(len(weights))
+    assert abs(mean - math.exp(log_px)) < 4 * stderr
+
+
+flag = {"on": False}
+
+
+def flagged_model(x):
+    theta = pyro.sample("theta", dist.Normal(x.new_zeros(()), 1.0))
+    with pyro.plate("data", x.shape[-1], dim=-1):
+        z = pyro.sample("z", dist.Normal(theta, 1.0))
+        scale = 2.0 if flag["on"] else 1.0  # a branch on a global: invisible to a replay
+        pyro.sample("x", dist.Normal(z, scale), obs=x)
+
+
+def test_structure_change_is_caught_at_the_next_check():
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    x = torch.randn(6)
+    loss = TMC_ELBO(num_samples=4, max_plate_nesting=1, compile="graph", check_every=4)
+    flag["on"] = False
+    for _ in range(4):  # eager, captured, replayed, replayed
+        loss.loss_and_grads(flagged_model, toy_guide, x)
+    flag["on"] = True
+    try:
+        with pytest.warns(RuntimeWarning, match="no longer matches its capture"):
+            loss.loss_and_grads(flagged_model, toy_guide, x)  # step 5: a check (count 4 % 4 == 0)
+        loss.loss_and_grads(flagged_model, toy_guide, x)  # captured again, with the new structure
+        params = _params()
+        state = torch.get_rng_state()
+        replayed = _one_step(lambda: loss.loss_and_grads(flagged_model, toy_guide, x), params)
+        torch.set_rng_state(state)
+        eager = _one_step(lambda: loss._eager_loss_and_grads(flagged_model, toy_guide, (x,), {}), params)
+    finally:
+        flag["on"] = False
+    assert loss.step_program.captures == 2
+    _assert_same(replayed, eager)
+
+
+def closure_model(x):
+    theta = pyro.sample("theta", dist.Normal(x.new_zeros(()), 1.0))
+    with pyro.plate("data", x.shape[-1], dim=-1):
+        z = pyro.sample("z", dist.Normal(theta, 1.0))
+        pyro.sample("x", dist.Normal(z, 1.0), obs=HELD_DATA)
+
+
+HELD_DATA = torch.randn(6)
+
+
+def value_branch_model(x):
+    theta = pyro.sample("theta", dist.Normal(x.new_zeros(()), 1.0))
+    with pyro.plate("data", x.shape[-1], dim=-1):
+        z = pyro.sample("z", dist.Normal(theta, 1.0))
+        scale = 2.0 if x.sum() > 0 else 1.0
+        pyro.sample("x", dist.Normal(z, scale), obs=x)
+
+
+@pytest.mark.parametrize("model", [closure_model, value_branch_model], ids=["closure", "branch"])
+def test_what_cannot_be_captured_runs_eagerly_with_one_warning(model):
+    pyro.clear_param_store()
+    x = torch.randn(6)
+    loss = TMC_ELBO(num_samples=4, max_plate_nesting=1, compile="graph")
+    eager = TMC_ELBO(num_samples=4, max_plate_nesting=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for seed in range(4):
+            pyro.set_rng_seed(seed)
+            value = loss.loss_and_grads(model, toy_guide, x)
+            pyro.set_rng_seed(seed)
+            assert value == pytest.approx(eager.loss(model, toy_guide, x), rel=1e-6)
+    fallbacks = [w for w in caught if "could not capture" in str(w.message)]
+    assert len(fallbacks) == 1
+    assert loss.step_program.captures == 0
+
+
+def test_new_argument_shape_is_a_new_capture():
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    loss = TMC_ELBO(num_samples=4, max_plate_nesting=1, compile="graph")
+    for size in (6, 6, 6, 5, 5, 5, 6):
+        loss.loss_and_grads(toy_model, toy_guide, torch.randn(size))
+    assert loss.step_program.captures == 2 and loss.step_program.replays == 3
+
+
+def test_nan_in_a_replayed_step_is_named():
+    pyro.clear_param_store()
+    loss = TMC_ELBO(num_samples=4, max_plate_nesting=1, compile="graph")
+    x = torch.randn(6)
+    for _ in range(3):
+        loss.loss_and_grads(toy_model, toy_guide, x)
+    bad = x.clone()
+    bad[2] = math.nan
+    with pytest.raises(ValueError, match="site 'x'"):
+        loss.loss_and_grads(toy_model, toy_guide, bad)
+
+
+def test_posterior_read_outs_after_captured_training():
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    x = torch.randn(6)
+    loss = TMC_ELBO(num_samples=4, max_plate_nesting=1, compile="graph")
+    svi = SVI(toy_model, toy_guide, pyro.optim.Adam({"lr": 0.05}), loss)
+    for _ in range(5):
+        svi.step(x)
+    marginals = loss.compute_marginals(toy_model, toy_guide, x)
+    assert torch.isfinite(marginals["theta"].mean).all()
+    draws = loss.sample_posterior(toy_model, toy_guide, x, num_draws=7)
+    assert draws["z"].shape[0] == 7
+
+
+def test_inductor_replay_trains_as_the_graph_does():
+    pytest.importorskip("torch._inductor")
+
+    def run(mode):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        x = torch.randn(6) + 2.0
+        loss = TMC_ELBO(num_samples=4, max_plate_nesting=1, compile=mode)
+        svi = SVI(toy_model, toy_guide, pyro.optim.Adam({"lr": 0.05}), loss)
+        losses = [svi.step(x) for _ in range(30)]
+        assert loss.step_program.replays == 28
+        return losses, pyro.param("loc").detach().clone()
+
+    default = torch.distributions.Distribution._validate_args
+    (losses, loc), (graph_losses, graph_loc) = run("inductor"), run("graph")
+    assert losses == pytest.approx(graph_losses, rel=1e-4)
+    assert torch.allclose(loc, graph_loc, atol=1e-4)
+    assert torch.distributions.Distribution._validate_args == default  # TorchDynamo left it as it was
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="compile_scope"):
+        TMC_ELBO(compile="graph", compile_scope="everything")
+    with pytest.raises(ValueError, match="check_every"):
+        TMC_ELBO(compile="graph", check_every=0)
