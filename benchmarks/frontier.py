@@ -225,6 +225,39 @@ def add_program_step(case: "Case", mode: str, device: str, loss, model, guide, *
     case.steps[name] = step
 
 
+def add_captured_step(case: "Case", mode: str, device: str, loss, model, guide, *args) -> None:
+    """
+    A row for the whole step captured (``loss_and_grads`` under ``TMC_ELBO(compile=mode)``,
+    :mod:`pyro_tmc.captured_step`): guide, model, estimate and gradients in one graph. The
+    parameters persist between steps (a replay does not re-run ``pyro.param``'s init); its
+    first two calls (eager, then the capture and compile) are the compile column.
+    """
+    name = f"{PYRO_TMC} compile={mode!r}, whole step"
+    if mode == "inductor":
+        torch._dynamo.reset()
+    pyro.get_param_store().clear()
+
+    def step():
+        value = loss.loss_and_grads(model, guide, *args)
+        for p in pyro.get_param_store().values():
+            p.unconstrained().grad = None
+        return value
+
+    _sync(device)
+    start = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RuntimeWarning)
+        step()
+        step()
+    _sync(device)
+    fallbacks = [str(w.message) for w in caught if "could not capture" in str(w.message)]
+    if fallbacks:
+        case.failed[name] = "fell back to eager: " + fallbacks[0][:160].replace("|", "/")
+        return
+    case.compile_seconds[name] = f"{time.perf_counter() - start:.1f}"
+    case.steps[name] = step
+
+
 def toy_case(num_data: int, num_samples: int, device: str, compiled: bool) -> Case:
     case = Case(f"toy N={num_data} K={num_samples}")
     x = torch.randn(num_data, device=device)
@@ -235,6 +268,16 @@ def toy_case(num_data: int, num_samples: int, device: str, compiled: bool) -> Ca
     )
     for mode in PROGRAM_MODES if compiled else PROGRAM_MODES[:1]:
         add_program_step(
+            case,
+            mode,
+            device,
+            TMC_ELBO(num_samples=num_samples, max_plate_nesting=1, compile=mode),
+            models.toy_model,
+            models.toy_guide,
+            x,
+        )
+    for mode in PROGRAM_MODES if compiled else PROGRAM_MODES[:1]:
+        add_captured_step(
             case,
             mode,
             device,
@@ -339,6 +382,16 @@ def chain_case(num_steps: int, num_samples: int, device: str) -> Case:
     )
     # inductor's compile of a graph with ~N * 30 operations takes minutes (76 s at N=100): left out
     add_program_step(
+        case,
+        "graph",
+        device,
+        TMC_ELBO(num_samples=K, max_plate_nesting=0, compile="graph"),
+        chain_model,
+        chain_guide,
+        x,
+        N,
+    )
+    add_captured_step(
         case,
         "graph",
         device,
