@@ -241,7 +241,7 @@ def add_captured_step(case: "Case", mode: str, device: str, loss, model, guide, 
         value = loss.loss_and_grads(model, guide, *args)
         for p in pyro.get_param_store().values():
             p.unconstrained().grad = None
-        return value
+        return torch.tensor(value)  # loss_and_grads returns a float
 
     _sync(device)
     start = time.perf_counter()
