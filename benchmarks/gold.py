@@ -47,6 +47,7 @@ import math
 import os
 import sys
 import time
+from contextlib import ExitStack
 from typing import Callable, Dict, List, NamedTuple, Sequence, Tuple
 
 import numpy as np
@@ -55,8 +56,15 @@ import torch
 import pyro
 import pyro.distributions as dist
 from pyro import poutine
+from pyro.distributions import constraints
+from pyro.distributions.transforms import biject_to
 from pyro.infer import MCMC, NUTS, SVI, Predictive, Trace_ELBO
-from pyro.infer.autoguide import AutoLowRankMultivariateNormal, AutoMultivariateNormal, AutoNormal
+from pyro.infer.autoguide import (
+    AutoLowRankMultivariateNormal,
+    AutoMultivariateNormal,
+    AutoNormal,
+    init_to_median,
+)
 
 from pyro_tmc import IWAE_ELBO, QEM, TMC_ELBO, TMC_RWS, QEMGuide
 from pyro_tmc.infer import posterior_moments
@@ -124,26 +132,31 @@ def eight_schools_model(effects, stddevs):
         pyro.sample("treatment_effects", dist.Normal(school_effects, stddevs), obs=effects)
 
 
+class PersistencePrior(dist.TransformedDistribution):
+    """``2 Beta(20, 1.5) - 1``, with its support (-1, 1) declared: an affine map's own is the real line."""
+
+    support = constraints.interval(-1.0, 1.0)
+
+
+def persistence_prior() -> PersistencePrior:
+    return PersistencePrior(dist.Beta(20.0, 1.5), [dist.transforms.AffineTransform(-1.0, 2.0)])
+
+
 def stochastic_volatility_model(returns):
     """
     The gym's centered AR(1) log volatility: ``x[0] ~ Normal(mu, sigma / sqrt(1 - phi^2))``,
     ``x[t] ~ Normal(mu + phi (x[t-1] - mu), sigma)``, ``returns[t] ~ Normal(0, exp(x[t] / 2))``.
     """
-    # 2 Beta(20, 1.5) - 1 on (-1, 1)
-    persistence = pyro.sample(
-        "persistence_of_volatility",
-        dist.TransformedDistribution(dist.Beta(20.0, 1.5), [dist.transforms.AffineTransform(-1.0, 2.0)]),
-    )
+    persistence = pyro.sample("persistence_of_volatility", persistence_prior())
     mean = pyro.sample("mean_log_volatility", dist.Cauchy(0.0, 5.0))
     shock_scale = pyro.sample("white_noise_shock_scale", dist.HalfCauchy(2.0))
-    log_volatility = pyro.sample(
-        "log_volatility_0", dist.Normal(mean, shock_scale / (1 - persistence.square()).sqrt())
-    )
-    pyro.sample("returns_0", dist.Normal(0.0, (log_volatility / 2).exp()), obs=returns[0])
-    for t in pyro.markov(range(1, len(returns))):
-        log_volatility = pyro.sample(
-            f"log_volatility_{t}", dist.Normal(mean + persistence * (log_volatility - mean), shock_scale)
-        )
+    log_volatility = mean
+    for t in pyro.markov(range(len(returns))):
+        if t == 0:  # the stationary distribution
+            step = dist.Normal(mean, shock_scale / (1 - persistence.square()).sqrt())
+        else:
+            step = dist.Normal(mean + persistence * (log_volatility - mean), shock_scale)
+        log_volatility = pyro.sample(f"log_volatility_{t}", step)
         pyro.sample(f"returns_{t}", dist.Normal(0.0, (log_volatility / 2).exp()), obs=returns[t])
 
 
@@ -161,9 +174,10 @@ def item_response_theory_model(correct, mask):
     )
     with pyro.plate("students", correct.shape[-2], dim=-1):
         ability = pyro.sample("centered_student_ability", dist.Normal(0.0, 1.0))
-        logits = mean_ability.unsqueeze(-1) + ability.unsqueeze(-1) - difficulty.unsqueeze(-2)
-        with poutine.mask(mask=mask):
-            pyro.sample("correct", dist.Bernoulli(logits=logits).to_event(1), obs=correct)
+        # difficulty's value already has the students plate's slot left of its event dim: no unsqueeze
+        logits = mean_ability.unsqueeze(-1) + ability.unsqueeze(-1) - difficulty
+        # unanswered (student, question) pairs are masked out element by element, inside the event
+        pyro.sample("correct", dist.Bernoulli(logits=logits).mask(mask).to_event(1), obs=correct)
 
 
 class Problem(NamedTuple):
@@ -174,6 +188,15 @@ class Problem(NamedTuple):
     max_plate_nesting: int
     gold: Dict[str, Tuple[np.ndarray, np.ndarray]]
     sites: Dict[str, List[str]]  # gym parameter -> the Pyro sites whose values, flattened, make it up
+    chain: Tuple[str, ...] = ()  # the model's sites in pyro.markov, in order (a guide visits them so too)
+    init: Dict[str, float] = {}  # starting values where a prior draw starts too far off (else its median)
+
+    def init_loc_fn(self, site: dict) -> torch.Tensor:
+        """Pyro's ``init_loc_fn``: the problem's starting value, else the prior's median."""
+        if site["name"] in self.init:
+            shape = site["fn"].batch_shape + site["fn"].event_shape
+            return torch.full(shape, self.init[site["name"]])
+        return init_to_median(site)
 
 
 def brownian_motion_problem(unknown_scales: bool = False) -> Problem:
@@ -182,7 +205,7 @@ def brownian_motion_problem(unknown_scales: bool = False) -> Problem:
     locs = [f"locs_{t}" for t in range(len(observed))]
     if not unknown_scales:
         gold = gold_moments("brownian_motion_missing_middle_observations", [""])
-        return Problem(brownian_motion_model, (observed,), 0, gold, {"": locs})
+        return Problem(brownian_motion_model, (observed,), 0, gold, {"": locs}, tuple(locs))
     gold = gold_moments(
         "brownian_motion_unknown_scales_missing_middle_observations",
         ["innovation_noise_scale", "observation_noise_scale", "locs"],
@@ -192,7 +215,7 @@ def brownian_motion_problem(unknown_scales: bool = False) -> Problem:
         "observation_noise_scale": ["observation_noise_scale"],
         "locs": locs,
     }
-    return Problem(brownian_motion_unknown_scales_model, (observed,), 0, gold, sites)
+    return Problem(brownian_motion_unknown_scales_model, (observed,), 0, gold, sites, tuple(locs))
 
 
 def eight_schools_problem() -> Problem:
@@ -213,7 +236,16 @@ def stochastic_volatility_problem(num_days: int = 100) -> Problem:
     gold = gold_moments(module, params)
     sites = {name: [name] for name in params[:3]}
     sites["log_volatility"] = [f"log_volatility_{t}" for t in range(num_days)]
-    return Problem(stochastic_volatility_model, (returns,), 0, gold, sites)
+    chain = tuple(sites["log_volatility"])
+    # a prior draw of the (Cauchy) mean log volatility puts the returns at -inf density: start at the data's
+    log_variance = float(returns.square().mean().log())
+    init = {
+        "persistence_of_volatility": 0.9,
+        "mean_log_volatility": log_variance,
+        "white_noise_shock_scale": 0.5,
+    }
+    init.update(dict.fromkeys(chain, log_variance))
+    return Problem(stochastic_volatility_model, (returns,), 0, gold, sites, chain, init)
 
 
 def item_response_theory_problem() -> Problem:
@@ -262,14 +294,23 @@ class Settings(NamedTuple):
 
 
 SETTINGS = {
-    "brownian_motion": Settings(1000, 0.03, 16, 512, 20, 3000, 300, 500),
-    "brownian_motion_unknown_scales": Settings(1500, 0.03, 16, 128, 20, 3000, 300, 500),
-    "eight_schools": Settings(1000, 0.03, 64, 256, 20, 3000, 300, 500),
-    "stochastic_volatility_small": Settings(800, 0.03, 8, 16, 20, 3000, 200, 300),
+    "brownian_motion": Settings(1000, 0.03, 16, 512, 20, 2000, 300, 500),
+    "brownian_motion_unknown_scales": Settings(1500, 0.03, 16, 128, 20, 2000, 300, 500),
+    "eight_schools": Settings(1000, 0.03, 64, 256, 20, 2000, 300, 500),
+    # every link of the chain carries the three globals' particle dims too: K^5 per link
+    "stochastic_volatility_small": Settings(800, 0.03, 4, 12, 20, 2000, 200, 300),
     "stochastic_volatility": Settings(300, 0.03, 4, 8, 10, 1000, 50, 50),
-    "item_response_theory": Settings(500, 0.03, 16, 64, 10, 2000, 100, 200),
+    "item_response_theory": Settings(200, 0.03, 8, 32, 10, 1000, 100, 200),
 }
-QUICK = Settings(150, 0.05, 8, 64, 8, 300, 30, 30, qem_lr=0.2)
+#: ``--quick``: a smoke run, seconds per (model, method)
+QUICK = {
+    "brownian_motion": Settings(150, 0.05, 8, 64, 8, 300, 30, 30, qem_lr=0.2),
+    "brownian_motion_unknown_scales": Settings(150, 0.05, 8, 64, 8, 300, 30, 30, qem_lr=0.2),
+    "eight_schools": Settings(150, 0.05, 16, 64, 8, 300, 30, 30, qem_lr=0.2),
+    "stochastic_volatility_small": Settings(30, 0.05, 4, 6, 4, 100, 10, 10, qem_lr=0.2),
+    "stochastic_volatility": Settings(5, 0.05, 2, 2, 2, 20, 5, 5, qem_lr=0.2),
+    "item_response_theory": Settings(10, 0.05, 4, 8, 4, 50, 5, 5, qem_lr=0.2),
+}
 
 
 # -- methods: each returns {gym parameter: (means, sds)} as flat numpy arrays ---------------------
@@ -296,6 +337,60 @@ def samples_to_gym(problem: Problem, samples: Dict[str, torch.Tensor]):
     return site_moments_to_gym(problem, moments)
 
 
+class MeanFieldGuide:
+    """
+    A mean-field guide that samples each continuous latent of the model directly: a Normal in the
+    unconstrained space pushed through the support's bijection, in the model's plates, and the
+    model's chain sites inside ``pyro.markov`` (so that TMC recycles their particle dims, as in the
+    model). Unlike ``AutoNormal`` it emits no ``Delta`` sites, so every latent has its own particles
+    under ``IWAE_ELBO`` too (whose read-out of ``Delta`` sites in plates fails: see BENCHMARKS.md,
+    issue 20), and it runs chains longer than a tensor's 64 dims.
+
+    :param Problem problem: the model, its data and its chain sites.
+    :param float init_scale: the unconstrained scales at the start.
+    """
+
+    def __init__(self, problem: "Problem", init_scale: float = 0.1) -> None:
+        with torch.no_grad(), poutine.block():
+            trace = poutine.trace(problem.model).get_trace(*problem.args)
+        self.sites = {}
+        for name, site in trace.nodes.items():
+            if site["type"] != "sample" or site["is_observed"] or type(site["fn"]).__name__ == "_Subsample":
+                continue
+            transform = biject_to(site["fn"].support)
+            frames = [frame for frame in site["cond_indep_stack"] if frame.vectorized]
+            start = transform.inv(problem.init_loc_fn(site).detach())
+            self.sites[name] = (transform, frames, start, site["fn"].event_dim)
+        self.chain = [name for name in problem.chain if name in self.sites]
+        self.init_scale = init_scale
+
+    def __call__(self, *args) -> None:
+        plates = {}
+        chain = set(self.chain)
+        for name in self.sites:
+            if name not in chain:
+                self._sample(name, plates)
+        for name in pyro.markov(self.chain):
+            self._sample(name, plates)
+
+    def _sample(self, name: str, plates: dict) -> None:
+        transform, frames, start, event_dim = self.sites[name]
+        loc = pyro.param(f"mean_field.{name}.loc", start.clone())
+        scale = pyro.param(
+            f"mean_field.{name}.scale",
+            torch.full_like(start, self.init_scale),
+            constraint=constraints.positive,
+        )
+        base = dist.Normal(loc, scale).to_event(transform.domain.event_dim)
+        with ExitStack() as stack:
+            for frame in frames:  # one plate object per plate, as AutoGuides enter them
+                if frame.name not in plates:
+                    plates[frame.name] = pyro.plate(frame.name, frame.size, dim=frame.dim)
+                stack.enter_context(plates[frame.name])
+            constrained = dist.TransformedDistribution(base, transform)
+            pyro.sample(name, constrained.to_event(event_dim - transform.codomain.event_dim))
+
+
 def tmc_readout(problem: Problem, guide, settings: Settings, loss=TMC_ELBO):
     readout = loss(num_samples=settings.read_k, max_plate_nesting=problem.max_plate_nesting)
     pooled = posterior_moments(readout, problem.model, guide, *problem.args, num_draws=settings.draws)
@@ -311,7 +406,7 @@ def train_svi(problem: Problem, guide, loss, steps: int, lr: float, progress) ->
 
 
 def run_tmc(problem: Problem, settings: Settings, progress, loss=TMC_ELBO):
-    guide = AutoNormal(problem.model, init_scale=0.1)
+    guide = MeanFieldGuide(problem)
     train_loss = loss(num_samples=settings.train_k, max_plate_nesting=problem.max_plate_nesting)
     train_svi(problem, guide, train_loss, settings.steps, settings.lr, progress)
     readout_loss = IWAE_ELBO if loss is IWAE_ELBO else TMC_ELBO
@@ -319,7 +414,8 @@ def run_tmc(problem: Problem, settings: Settings, progress, loss=TMC_ELBO):
 
 
 def run_qem(problem: Problem, settings: Settings, progress):
-    guide = QEMGuide(problem.model)
+    # HalfCauchy's support is [0, inf), which QEM's default does not map to a family: LogNormal
+    guide = QEMGuide(problem.model, families={"white_noise_shock_scale": "LogNormal"})
     qem = QEM(
         problem.model,
         guide,
@@ -333,7 +429,9 @@ def run_qem(problem: Problem, settings: Settings, progress):
 
 
 def run_nuts(problem: Problem, settings: Settings, progress):
-    kernel = NUTS(problem.model, max_plate_nesting=problem.max_plate_nesting)
+    kernel = NUTS(
+        problem.model, max_plate_nesting=problem.max_plate_nesting, init_strategy=problem.init_loc_fn
+    )
     mcmc = MCMC(
         kernel,
         num_samples=settings.nuts_samples,
@@ -347,7 +445,7 @@ def run_nuts(problem: Problem, settings: Settings, progress):
 
 
 def run_autoguide(problem: Problem, settings: Settings, progress, guide_class, **guide_options):
-    guide = guide_class(problem.model, **guide_options)
+    guide = guide_class(problem.model, init_loc_fn=problem.init_loc_fn, **guide_options)
     loss = Trace_ELBO(max_plate_nesting=problem.max_plate_nesting)
     train_svi(problem, guide, loss, settings.svi_steps, settings.lr, progress)
     names = [name for names in problem.sites.values() for name in names]
@@ -412,7 +510,7 @@ def progress_bar(description: str):
 def run(model: str, method: str, quick: bool, seed: int = 0, progress=_silent) -> Dict:
     """Train and read one (model, method); returns its metrics, time and settings."""
     problem = PROBLEMS[model]()
-    settings = QUICK if quick else SETTINGS[model]
+    settings = (QUICK if quick else SETTINGS)[model]
     pyro.clear_param_store()
     pyro.set_rng_seed(seed)
     start = time.perf_counter()
@@ -428,7 +526,7 @@ def failed_row(model: str, method: str, quick: bool, error: Exception) -> Dict:
     message = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:120]}"
     row = dict.fromkeys(("mean_error", "mean_error_worst", "sd_error", "sd_error_worst"), nan)
     row.update(sd_ratio_min=nan, sd_ratio_max=nan, seconds=nan, model=model, method=method, note=message)
-    row["setup"] = describe(method, QUICK if quick else SETTINGS[model])
+    row["setup"] = describe(method, (QUICK if quick else SETTINGS)[model])
     return row
 
 
@@ -520,9 +618,10 @@ def main(argv=None) -> List[Dict]:
     parser.add_argument("--out", default=os.path.join(HERE, "gold.md"), help="the markdown table")
     parser.add_argument("--figure", default=os.path.join(HERE, "..", "docs", "figures", "gold.png"))
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (the targets are stated for 1)")
     args = parser.parse_args(argv)
     gym_module("version")  # fail early, with the install line
-    torch.set_num_threads(1)  # a script's choice: timings per thread, as the targets are stated
+    torch.set_num_threads(args.threads)  # a script's choice: timings per thread, as the targets are stated
     command = "python benchmarks/gold.py " + " ".join(argv if argv is not None else sys.argv[1:])
     rows = []
     for model in args.models:
