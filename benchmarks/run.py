@@ -125,6 +125,16 @@ def vae_steps(
             step = step_with(make(num_samples=num_samples, max_plate_nesting=1, compile="inductor"))
             step()  # traces and compiles (seconds): not timed
             steps[f"{name} compile='inductor'"] = step
+        for name, make in (("TMC_ELBO", TMC_ELBO), ("IWAE_ELBO", IWAE_ELBO)):
+            # the whole step captured (pyro_tmc.captured_step): eager, then captured, then replayed
+            loss = make(num_samples=num_samples, max_plate_nesting=1, compile="inductor")
+
+            def whole_step(loss=loss):
+                loss.loss_and_grads(generative.model, guide.guide, x)
+
+            whole_step()
+            whole_step()  # captures and compiles (seconds): not timed
+            steps[f"{name} compile='inductor', whole step"] = whole_step
     return steps
 
 

@@ -243,8 +243,10 @@ def _select_particles(
         elif size > 1:
             index.append(torch.arange(size, device=x.device).reshape((size,) + (1,) * (-dim - 1)))
         else:
-            index.append(torch.zeros((), dtype=torch.long, device=x.device))
-    if all(i.dim() == 0 for i in index):  # constant over the batch: broadcasts as is
+            # a one-element tensor, not a 0-dim one: torch reads a 0-dim integer index with
+            # .item(), a read of a value that a captured step cannot make
+            index.append(torch.zeros((1,), dtype=torch.long, device=x.device))
+    if all(x.shape[i] <= 1 for i in range(batch_ndim)):  # constant over the batch: broadcasts as is
         return x.reshape(x.shape[batch_ndim:])
     return x[tuple(index)]
 

@@ -296,3 +296,30 @@ def test_bad_settings_are_refused():
         TMC_ELBO(compile="graph", compile_scope="everything")
     with pytest.raises(ValueError, match="check_every"):
         TMC_ELBO(compile="graph", check_every=0)
+
+
+def test_non_factorised_guide_in_a_plate_is_captured():
+    """A mixture proposal indexes its parent's particles per plate element (no .item() on an index)."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    x = torch.randn(5, 2)
+
+    def model(x):
+        with pyro.plate("data", x.shape[0], dim=-1):
+            z1 = pyro.sample("z1", dist.Normal(torch.zeros(2), 1.0).to_event(1))
+            z2 = pyro.sample("z2", dist.Normal(z1, 1.0).to_event(1))
+            z3 = pyro.sample("z3", dist.Normal(z2, 1.0).to_event(1))
+            pyro.sample("x", dist.Normal(z3, 1.0).to_event(1), obs=x)
+
+    def guide(x):
+        weight = pyro.param("weight", lambda: torch.tensor(0.5))
+        with pyro.plate("data", x.shape[0], dim=-1):
+            z1 = pyro.sample("z1", dist.Normal(x, 1.0).to_event(1))
+            z2 = pyro.sample("z2", dist.Normal(weight * z1, 1.0).to_event(1))
+            pyro.sample("z3", dist.Normal(weight * z2, 1.0).to_event(1))
+
+    _assert_same(
+        *_replay_and_eager(
+            lambda **kw: TMC_ELBO(num_samples=3, max_plate_nesting=1, **kw), model, guide, (x,)
+        )
+    )
