@@ -273,7 +273,10 @@ def site_densities(model_trace: Trace, guide_trace: Trace) -> SiteDensities:
     p_sites = [
         site
         for site in model_trace.nodes.values()
-        if is_sample(site) and not site["args"] and not site["kwargs"]
+        if is_sample(site)
+        and not site["args"]
+        and not site["kwargs"]
+        and not site["infer"].get("_do_not_score")  # a vectorized_markov chain's previous steps
     ]
     proposals = [
         proposal_site(site["name"], model_trace, guide_trace) for site in p_sites if not site["is_observed"]

@@ -44,6 +44,7 @@ from .sites import (
     particle_symbol,
     proposal_site,
 )
+from .vectorized_markov import reduce_markov_times, unscored_sites
 
 
 class LogFactor(NamedTuple):
@@ -264,8 +265,9 @@ def compute_log_factors(
     scales = plan.scales
     densities = site_densities(model_trace, guide_trace) if plan.stacks_densities else None
     factors = []
+    unscored = unscored_sites(model_trace, guide_trace)  # a vectorized_markov chain's previous steps
     for name, site in model_trace.nodes.items():
-        if not is_sample(site):
+        if not is_sample(site) or name in unscored:
             continue
         with naming_the_site(name, plan.max_factor_bytes):
             terms = site_log_factors(
@@ -280,6 +282,8 @@ def compute_log_factors(
             )
         factors += [_log_factor(name, t, site, scales.plate_scales, densities) for t in terms]
     for name in guide_only_sites(model_trace, guide_trace):
+        if name in unscored:
+            continue
         site = guide_trace.nodes[name]
         terms = guide_site_log_factors(
             site, scales.site_scale(name), sources.get(name), detach_guide_proposals, densities
@@ -320,6 +324,10 @@ def joint_samples_factor(model_trace: Trace) -> Optional[torch.Tensor]:
     return None
 
 
+def _whole(term: Union[torch.Tensor, ChunkedFactor]) -> torch.Tensor:
+    return term.materialise() if isinstance(term, ChunkedFactor) else term
+
+
 def contract_estimate(factors: List[LogFactor], scales: ScalePlan) -> torch.Tensor:
     """log P_TMC: the factors contracted with the draw's plate scales, times its root scale."""
     if not factors:
@@ -329,5 +337,9 @@ def contract_estimate(factors: List[LogFactor], scales: ScalePlan) -> torch.Tens
     largest = max(range(len(factors)), key=sizes.__getitem__)
     with naming_the_largest_factor(factors[largest].site, sizes[largest] * itemsize()):
         stacks = {id(f.term): (f.term,) + f.stacked for f in factors if f.stacked is not None}
-        estimate = contract_log_factors([f.term for f in factors], scales.plate_scales, stacks)
+        terms, plate_scales = [f.term for f in factors], scales.plate_scales
+        if scales.markov_times:  # vectorized_markov time dims: chains, contracted first
+            terms = reduce_markov_times([_whole(t) for t in terms], scales.markov_times, plate_scales)
+            plate_scales = {s: v for s, v in plate_scales.items() if s not in scales.markov_times}
+        estimate = contract_log_factors(terms, plate_scales, stacks)
     return estimate if scales.root == 1.0 else estimate * scales.root

@@ -44,11 +44,16 @@ class ScalePlan:
         product: subsampling scale times its share of ``poutine.scale``.
     :param dict residual: site name -> the scale left on the site's own log
         factor (1.0 where the site's scale is fully carried by root and plates).
+    :param dict markov_times: the ``vectorized_markov`` time dims among the plates
+        (:func:`pyro_tmc.vectorized_markov.markov_times`), contracted as chains.
     """
 
     root: float = 1.0
     plate_scales: Dict[str, float] = field(default_factory=dict)
     residual: Dict[str, float] = field(default_factory=dict)
+    #: time dims of ``vectorized_markov`` chains, contracted as chains, not products
+    #: (symbol -> :class:`pyro_tmc.vectorized_markov.MarkovTime`)
+    markov_times: Dict[str, object] = field(default_factory=dict)
 
     def site_scale(self, name: str):
         """The tempering left on site ``name``'s factor (a float, or a tensor per element)."""

@@ -45,6 +45,7 @@ from ..sites import (
     model_or_guide_site,
     source_weights,
 )
+from ..vectorized_markov import markov_times, with_previous_steps, without_funsor_scoring
 from .broadcast_check import BroadcastCheck, run_probe
 from .collapse_check import collapse_refusal
 from .path_gradients import with_leaf_values
@@ -242,7 +243,7 @@ def run_guide(guide, args, kwargs, settings: DrawSettings) -> Trace:
         particle_counts=settings.particle_counts,
     )
     guide_trace = run_with_shape_hint(
-        messenger, "guide", poutine.trace(messenger(guide)).get_trace, args, kwargs
+        messenger, "guide", poutine.trace(messenger(without_funsor_scoring(guide))).get_trace, args, kwargs
     )
     warn_about_summed_guide_sites(guide_trace)
     return guide_trace
@@ -254,6 +255,7 @@ def replay_guide(guide, leaf_trace: Trace, args, kwargs, settings: DrawSettings)
     allocation, so that the Delta sites it recomputes keep their particle dims.
     """
     messenger = continuing_messenger(leaf_trace, settings)
+    guide = without_funsor_scoring(guide)
     return poutine.trace(poutine.replay(messenger(guide), trace=leaf_trace)).get_trace(*args, **kwargs)
 
 
@@ -262,7 +264,9 @@ def run_model(model, guide_trace: Trace, args, kwargs, settings: DrawSettings) -
     # The model's handler continues the guide's dim allocation, and sits
     # inside the replay so that it sees the model's own markov scopes.
     messenger = continuing_messenger(guide_trace, settings)
-    run = poutine.trace(poutine.replay(messenger(model), trace=guide_trace)).get_trace
+    # a vectorized_markov chain's previous steps are the particles of the step before
+    replayed = with_previous_steps(guide_trace)
+    run = poutine.trace(poutine.replay(messenger(without_funsor_scoring(model)), trace=replayed)).get_trace
     return run_with_shape_hint(messenger, "model", run, args, kwargs)
 
 
@@ -311,6 +315,7 @@ def finish(model_trace: Trace, guide_trace: Trace, max_plate_nesting) -> Tuple[T
         # every plate, and would read as depending on the enumerated sites of an earlier plate.
         check_traceenum_requirements(model_trace, guide_trace)
     scales = symbolize(model_trace, guide_trace)
+    scales.markov_times = markov_times(model_trace)
     check_plate_dependencies(model_trace, guide_trace)
     return model_trace, guide_trace, scales
 

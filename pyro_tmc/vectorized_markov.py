@@ -1,0 +1,387 @@
+"""Pyro's ``vectorized_markov`` chains under TMC: a long chain as a few stacked tensor operations.
+
+:func:`pyro.contrib.funsor.vectorized_markov` (``history=1``) runs its loop body
+three times: for ``t = 0`` (sites ``z_0``), for the previous steps
+``t = arange(0, T-1)`` (sites ``z_slice(0, T-1, None)``, marked
+``infer["_do_not_score"]``) and for the current steps ``t = arange(1, T)``
+(sites ``z_slice(1, T, None)``), the last two inside an ``IndepMessenger``
+over a time dim of size ``T - 1``. So the model computes
+``p(z_t | z_{t-1})`` for every ``t >= 1`` in one statement.
+
+Under TMC every latent of a time step has K particles, drawn independently
+per time step by the guide, which runs the same loop (or an autoguide that
+draws the same sites). Then:
+
+- the *first* site ``z_0`` holds K particles on its dim ``a``;
+- the *current* site ``z_slice(1, T)`` holds K particles per time step on its
+  dim ``b``: particle ``k`` at step ``t`` is ``z_t^k``;
+- the *previous* site ``z_slice(0, T-1)`` is not drawn: the model sees the
+  particles of the step before, ``z_{t-1}^k``, on the first site's dim ``a``
+  (:func:`with_previous_steps`: ``z_0`` at ``t = 1``, the current site shifted
+  by one step after it). Its own draw, if the guide made one, is not scored.
+
+The model's ``log p(z_t | z_{t-1})`` is then a stack over time of ``(K_a, K_b)``
+matrices, the link from step ``t-1`` to step ``t``. Contracting the time dim is
+the chain product of these matrices (:func:`reduce_markov_times`), with the
+factors over ``b`` alone (observations, ``-log q - log K``) added to each link,
+in ``log2(T)`` levels (:func:`~pyro_tmc.log_einsum.sequential_log_matmul_exp`).
+It leaves one factor over ``a`` and the last step's ``b``, which the rest of the
+contraction sums with ``z_0``'s own factors. This is the unrolled ``pyro.markov``
+chain's estimate, term for term: the same factors, contracted in another order.
+
+Several latents per step form one chain whose state is their joint particle
+index; a step's latents that do not carry over to the next step are summed per
+step. Sites are matched by name, as ``vectorized_markov`` itself matches them
+(``"<var>0"``, ``"<var>slice(0, T-1, None)"``, ``"<var>slice(1, T, None)"``).
+
+Not supported (a :class:`ValueError` names the site): ``history > 1``, a guide
+whose draws at a step depend on the step before (that is sequential by nature:
+a factorised guide over time is what can be drawn at once), and a time dim that
+is subsampled.
+
+Reference: Aitchison, L. (2019) "Tensor Monte Carlo: Particle Methods for the
+GPU Era", NeurIPS; Särkkä, S. and García-Fernández, Á. F. (2021) "Temporal
+Parallelization of Bayesian Smoothers", IEEE TAC (the parallel scan over time).
+"""
+
+import functools
+import math
+import re
+import sys
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Set, Tuple
+
+import torch
+
+from pyro.poutine import Trace
+from pyro.poutine.messenger import Messenger
+
+from .contraction import _contract
+from .log_einsum import sequential_log_matmul_exp
+from .shapes import packed_view
+
+#: ``<var>slice(start, stop, None)``: the name ``vectorized_markov`` gives a site of its time dim
+_SLICE_NAME = re.compile(r"^(?P<var>.*)slice\((?P<start>\d+), (?P<stop>\d+), None\)$")
+
+
+@dataclass(frozen=True)
+class TimeLink:
+    """
+    One latent variable of a ``vectorized_markov`` chain: its three sites.
+
+    :param str first: the site of step 0 (``"<var>0"``).
+    :param str previous: the site of steps ``0 .. T-2`` (not scored).
+    :param str current: the site of steps ``1 .. T-1``.
+    :param str time: the name of the time dim (the loop's ``name``).
+    """
+
+    first: str
+    previous: str
+    current: str
+    time: str
+
+
+@dataclass(frozen=True)
+class MarkovTime:
+    """
+    A time dim to contract as a chain: its packed symbol, and per chained latent,
+    the symbol of the first step's particles (the link's *from* side, which the
+    previous steps share) and of the current steps' particles (its *to* side).
+    """
+
+    symbol: str
+    first_symbols: Tuple[str, ...]
+    current_symbols: Tuple[str, ...]
+    sites: Tuple[str, ...]
+
+
+@functools.lru_cache(maxsize=None)
+def _no_named_inputs():
+    """One funsor without inputs, the same object at every site (a compiled draw's key holds it)."""
+    import funsor
+
+    return funsor.Number(0.0)
+
+
+class NoFunsorScoring(Messenger):
+    """
+    Gives each sample site a ``msg["funsor"]["log_prob"]`` with no named inputs, so
+    that ``vectorized_markov`` does not convert the site's log density to a funsor
+    after the last step: it would name every batch dim of it, particle dims
+    included, in funsor's own dim stack, which runs out of dims (``"Ran out of free
+    dims"``). That conversion only finds the chain's variables for funsor's
+    inference; TMC finds them by name (:func:`find_time_links`).
+    """
+
+    def _pyro_sample(self, msg) -> None:
+        msg.setdefault("funsor", {}).setdefault("log_prob", _no_named_inputs())
+
+
+def without_funsor_scoring(fn: Callable) -> Callable:
+    """``fn`` under :class:`NoFunsorScoring` where Pyro's funsor backend is loaded; else ``fn``."""
+    if "pyro.contrib.funsor" not in sys.modules:
+        return fn
+    return NoFunsorScoring()(fn)
+
+
+def find_time_links(trace: Trace) -> List[TimeLink]:
+    """
+    The chained latents of a trace's ``vectorized_markov`` loops, by their site names.
+
+    :raises ValueError: naming the site, for ``history > 1``, or a current site
+        without its first-step site.
+    """
+    links = []
+    for name, site in trace.nodes.items():
+        match = _SLICE_NAME.match(name) if site["type"] == "sample" else None
+        if match is None or site["is_observed"]:
+            continue
+        var, start, stop = match["var"], int(match["start"]), int(match["stop"])
+        if start >= 2:
+            raise ValueError(
+                f"Site '{name}': vectorized_markov with history > 1 is not supported by TMC. "
+                "Use history=1 (carry several latents per step for a longer memory), or pyro.markov."
+            )
+        if start != 1:
+            continue
+        first = f"{var}0"
+        if first not in trace.nodes:
+            raise ValueError(
+                f"Site '{name}' is a vectorized_markov step, but its first step '{first}' is missing. "
+                "Sample the same name at every step of the loop (f'{var}{t}')."
+            )
+        frame = _time_frame(site, stop - start)
+        links.append(TimeLink(first, f"{var}{slice(0, stop - 1)}", name, frame))
+    return links
+
+
+def _time_frame(site, size: int) -> str:
+    """The name of the innermost vectorised frame of ``size`` elements of a site: its time dim."""
+    for frame in reversed(site["cond_indep_stack"]):
+        if frame.vectorized and frame.size == size:
+            return frame.name
+    raise ValueError(f"Site '{site['name']}' looks like a vectorized_markov step, but has no time dim.")
+
+
+def own_particle_dim(site) -> Optional[int]:
+    """
+    The dim of a latent's own particles: its particle dim, or, for a point mass
+    (an autoguide's Delta over an auxiliary latent), the one particle dim its value
+    varies along. ``None`` where the value varies along none (one particle).
+
+    :raises ValueError: naming the site, where a point mass varies along several.
+    """
+    dim = site["infer"].get("_enumerate_dim")
+    if dim is not None:
+        return dim
+    value = site["value"]
+    batch = value.shape[: value.dim() - site["fn"].event_dim]
+    dims = [d for d in site["infer"].get("_dim_to_id", {}) if len(batch) >= -d and batch[d] > 1]
+    if len(dims) > 1:
+        raise ValueError(
+            f"Site '{site['name']}' of a vectorized_markov chain varies along several particle dims "
+            f"{sorted(dims)}: TMC cannot tell which one holds its own particles. Give it a guide "
+            "site of its own (AutoNormal, or a sample statement in the guide)."
+        )
+    return dims[0] if dims else None
+
+
+def _step_dims(site, dim: Optional[int]) -> Dict[int, int]:
+    """``dim -> id`` of the particle dims a latent's value varies along, without ``dim``."""
+    value = site["value"]
+    batch = value.shape[: value.dim() - site["fn"].event_dim]
+    return {
+        d: i
+        for d, i in site["infer"].get("_dim_to_id", {}).items()
+        if d != dim and len(batch) >= -d and batch[d] > 1
+    }
+
+
+def previous_steps_value(first, current, time_dim: int) -> Tuple[torch.Tensor, Dict[int, int]]:
+    """
+    The value the previous-steps site takes: at step ``t`` (``t = 1 .. T-1``), the
+    particles of step ``t - 1``, on the first site's particle dim: the first site's
+    value, then the current site's without its last step.
+
+    :param first: the first step's site, ``current``: the current steps' site (guide trace nodes).
+    :param int time_dim: the time dim (negative, left of the event dims).
+    :returns: the value and its ``dim -> id`` map.
+    """
+    event_dim = current["fn"].event_dim
+    first_dim, current_dim = own_particle_dim(first), own_particle_dim(current)
+    before, now = first["value"], current["value"]
+    rank = max(before.dim(), now.dim(), event_dim - min(time_dim, first_dim or -1, current_dim or -1))
+    before = before.reshape((1,) * (rank - before.dim()) + before.shape)
+    now = now.reshape((1,) * (rank - now.dim()) + now.shape)
+    if first_dim is not None and current_dim is not None and current_dim != first_dim:
+        now = now.transpose(current_dim - event_dim, first_dim - event_dim)
+        now = _with_count(now, first_dim - event_dim, before.size(first_dim - event_dim))
+    time = time_dim - event_dim
+    now = now.narrow(time, 0, now.size(time) - 1)
+    shape = list(torch.broadcast_shapes(before.shape, now.shape))
+    shape[time] = 1
+    before = before.expand(shape)
+    shape[time] = now.size(time)
+    value = torch.cat([before, now.expand(shape)], dim=time)
+    dim_to_id = {**_step_dims(current, current_dim), **_step_dims(first, None)}
+    if first_dim is not None:
+        dim_to_id[first_dim] = first["infer"]["_dim_to_id"][first_dim]
+    return value, dim_to_id
+
+
+def _with_count(value: torch.Tensor, dim: int, count: int) -> torch.Tensor:
+    """
+    ``value`` with ``count`` entries along ``dim``, cycling through its own: only
+    where the first step's count differs from the later steps' (TMC's validation
+    probe gives every particle dim its own count). A real draw with different
+    counts is refused by the contraction (:func:`reduce_markov_times`).
+    """
+    size = value.size(dim)
+    if size == count or size == 1:
+        return value
+    return value.index_select(dim, torch.arange(count, device=value.device) % size)
+
+
+def with_previous_steps(guide_trace: Trace) -> Trace:
+    """
+    The trace the model replays: the guide's, with each previous-steps site's value
+    replaced by the particles of the step before (:func:`previous_steps_value`).
+    The guide's trace itself is left as it is.
+
+    :raises ValueError: naming the site, where the guide's current steps depend on
+        its previous steps (a guide that is Markov in time cannot be drawn at once).
+    """
+    links = find_time_links(guide_trace)
+    if not links:
+        return guide_trace
+    replay = guide_trace.copy()
+    for link in links:
+        first, current = guide_trace.nodes[link.first], guide_trace.nodes[link.current]
+        _check_factorised_in_time(current, guide_trace.nodes.get(link.previous))
+        time_dim = next(f.dim for f in current["cond_indep_stack"] if f.name == link.time)
+        value, dim_to_id = previous_steps_value(first, current, time_dim)
+        infer = {"_do_not_score": True, "_dim_to_id": dim_to_id}
+        replay.nodes[link.previous] = dict(current, name=link.previous, value=value, infer=infer)
+    return replay
+
+
+def _check_factorised_in_time(current, previous) -> None:
+    """:raises ValueError: if the guide's current-steps site varies along its previous-steps site's dim."""
+    if previous is None:
+        return
+    dim = own_particle_dim(previous)
+    batch = current["fn"].batch_shape
+    if dim is not None and len(batch) >= -dim and batch[dim] > 1:
+        raise ValueError(
+            f"Guide site '{current['name']}' depends on '{previous['name']}', the step before: TMC "
+            "draws every step of a vectorized_markov chain at once, so the guide must be factorised "
+            "over time (each step's distribution free of the previous step's value). Use a "
+            "mean-field guide over time, or pyro.markov for a guide that is Markov in time."
+        )
+
+
+def unscored_sites(model_trace: Trace, guide_trace: Trace) -> Set[str]:
+    """
+    The sites that get no factor: the model's previous-steps sites (and their
+    observations), marked ``_do_not_score`` by ``vectorized_markov``, and a guide's
+    auxiliary sites of those (an autoguide's ``"<name>_unconstrained"``), which
+    only drew the value that :func:`with_previous_steps` replaces.
+    """
+    skipped = {name for name, site in model_trace.nodes.items() if site.get("infer", {}).get("_do_not_score")}
+    if not skipped:
+        return skipped
+    auxiliary = {
+        name
+        for name in guide_trace.nodes
+        if name not in model_trace.nodes and any(name.startswith(f"{s}_") for s in skipped)
+    }
+    return skipped | auxiliary
+
+
+def markov_times(model_trace: Trace) -> Dict[str, MarkovTime]:
+    """
+    The time dims of a symbolised model trace that are contracted as chains, by packed symbol.
+
+    :raises ValueError: naming the site, where a chained latent has no particle dim of its own.
+    """
+    times: Dict[str, MarkovTime] = {}
+    for link in find_time_links(model_trace):
+        symbol = model_trace.plate_to_symbol[link.time]
+        first, current = model_trace.nodes[link.first], model_trace.nodes[link.current]
+        symbols = []
+        for site in (first, current):
+            dim = own_particle_dim(site)
+            if dim is None:
+                raise ValueError(
+                    f"Site '{site['name']}' of a vectorized_markov chain has no particles of its own "
+                    "(one particle, or a point mass): TMC cannot chain it. Use num_samples >= 2."
+                )
+            symbols.append(site["infer"]["_dim_to_symbol"][dim])
+        known = times.get(symbol, MarkovTime(symbol, (), (), ()))
+        times[symbol] = MarkovTime(
+            symbol,
+            known.first_symbols + (symbols[0],),
+            known.current_symbols + (symbols[1],),
+            known.sites + (link.current,),
+        )
+    return times
+
+
+def reduce_markov_times(
+    factors: List[torch.Tensor], times: Dict[str, MarkovTime], plate_scales: Dict[str, float]
+) -> List[torch.Tensor]:
+    """
+    Contract each markov time dim as a chain (see the module docstring): the
+    factors that hold it are replaced by one factor over the first step's
+    particles and the last step's, times any particle dim they share with
+    factors outside the time dim (a global latent), per plate they hold.
+
+    :param factors: packed log factors (tensors).
+    :param times: the draw's :func:`markov_times`.
+    :param plate_scales: every plate symbol with its scale, the time dims' included.
+    """
+    plates = frozenset(plate_scales)
+    for time in times.values():
+        if plate_scales.get(time.symbol, 1.0) != 1.0:
+            raise ValueError(
+                f"Site '{time.sites[0]}': the time dim of a vectorized_markov chain is scaled or "
+                "subsampled, which a chain product cannot carry. Scale or subsample an outer plate instead."
+            )
+        inside = [f for f in factors if time.symbol in f._pyro_dims]
+        outside = [f for f in factors if time.symbol not in f._pyro_dims]
+        factors = outside + [_chain_product(inside, outside, time, plates, plate_scales)]
+    return factors
+
+
+def _chain_product(inside, outside, time: MarkovTime, plates: frozenset, plate_scales) -> torch.Tensor:
+    """The factors over one time dim, contracted over it as a chain of ``(state, state)`` links."""
+    held = set("".join(f._pyro_dims for f in inside))
+    held_outside = set("".join(f._pyro_dims for f in outside))
+    state_from, state_to = list(time.first_symbols), list(time.current_symbols)
+    chained = set(state_from) | set(state_to)
+    batch_plates = sorted(held & plates - {time.symbol})
+    batch = sorted((held - plates - chained) & held_outside)  # e.g. a global latent in every link
+    local = (held - plates - chained) - held_outside  # a step's latents that do not carry over
+    order = batch_plates + batch + [time.symbol] + state_from + state_to
+    sizes = {d: n for f in inside + outside for d, n in zip(f._pyro_dims, f.shape)}
+    shape = [sizes.get(d, 1) for d in order]
+    if local:
+        keep = frozenset(batch_plates) | {time.symbol}
+        kept = held & (chained | set(batch))
+        links = packed_view(_contract(inside, plate_scales, local | kept, keep, kept), order).expand(shape)
+    else:
+        links = sum(packed_view(f, order) for f in inside)
+        links = links.expand(shape)
+    lead = shape[: len(batch_plates) + len(batch) + 1]
+    num_from = math.prod(sizes[d] for d in state_from)
+    num_to = math.prod(sizes[d] for d in state_to)
+    if num_from != num_to:
+        raise ValueError(
+            f"Site '{time.sites[0]}': the first step has {num_from} particle combinations and each "
+            f"later step {num_to}; a vectorized_markov chain needs one count at every step "
+            "(set the same num_samples on the first step's sites and the later steps')."
+        )
+    product = sequential_log_matmul_exp(links.reshape(lead + [num_from, num_to]))
+    product = product.reshape(shape[: len(lead) - 1] + shape[len(lead) :])
+    product._pyro_dims = "".join(batch_plates + batch + state_from + state_to)
+    return product
