@@ -360,6 +360,17 @@ def hmm_case(length: int, device: str) -> Case:
     case.steps[PYRO_TMC] = _pyro_step(
         TMC_ELBO(num_samples=4, max_plate_nesting=1), hmm_model, guide, observations
     )
+    for mode in PROGRAM_MODES:
+        add_captured_step(
+            case,
+            mode,
+            device,
+            TMC_ELBO(num_samples=4, max_plate_nesting=1, compile=mode),
+            hmm_model,
+            guide,
+            observations,
+        )
+    pyro.clear_param_store()
     case.steps["Pyro TraceEnum_ELBO"] = lambda: enum.loss_and_grads(hmm_model, guide, observations)
     case.careful.append("Pyro TraceEnum_ELBO")
     return case

@@ -100,6 +100,8 @@ def vae_steps(
     """One step of the paper's 5-layer MNIST VAE on a batch of 100 (random binary pixels: timing only)."""
     from pyro_tmc.experiments import vae
 
+    # pyro.module keeps the store's tensors under a name it has seen: a fresh store per configuration
+    pyro.clear_param_store()
     x = torch.bernoulli(torch.full((100, 784), 0.3, device=device))
     generative = vae.Generative(784).to(device)
     guide = vae.recognition_model(recognition, 784).to(device)

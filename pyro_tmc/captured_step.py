@@ -244,8 +244,23 @@ def capture_step(
     try:
         graph = make_fx(step, tracing_mode="fake")(*inputs)
     except Exception as error:  # any failure: the eager step is always right
-        raise GraphFallback(f"{type(error).__name__}: {error}") from error
+        raise GraphFallback(_fallback_reason(error)) from error
     return graph, recorded[-1]
+
+
+def _fallback_reason(error: Exception) -> str:
+    """Why tracing failed, in the user's terms where the tracer's message is about its own."""
+    message = f"{type(error).__name__}: {error}"
+    if "convert all Tensors to FakeTensors" in message:
+        return (
+            "the step reads a tensor that is neither a parameter in the param store nor an argument "
+            "of the step: a data tensor held by a closure or a global (pass it as an argument), or "
+            "an nn.Module whose parameters are not the param store's (pyro.module under a name "
+            f"that another module registered first). Tracer: {message}"
+        )
+    if "data-dependent" in message or "DataDependent" in message:
+        return f"the step branches on, or reads, a tensor's value (e.g. .item() or an if). Tracer: {message}"
+    return message
 
 
 class StepProgram:
