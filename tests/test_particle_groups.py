@@ -194,7 +194,6 @@ def test_four_member_parents_make_one_particle_dim(float64, grouped):
 # -- model-only latents, and the handler --------------------------------------------------
 
 
-@pytest.mark.xfail(reason="pending: draw.py hands the guide's groups to the model's handler", strict=True)
 def test_model_only_latent_joins_the_guides_group(float64):
     """A latent the guide lacks, marked in the model, shares the guide's group dim."""
 
@@ -309,7 +308,6 @@ def test_error_on_model_group_the_guide_does_not_draw():
         TMC_ELBO(num_samples=3, max_plate_nesting=1).loss(marked_model, plain_guide, X)
 
 
-@pytest.mark.xfail(reason="pending: draw.py hands the guide's groups to the model's handler", strict=True)
 def test_model_key_on_autonormal_sites_checked_against_the_guide(float64):
     """The model may repeat a group the guide draws (through AutoNormal's auxiliary sites), not add one."""
 

@@ -35,6 +35,7 @@ from ..compiled import EstimateProgram
 from ..evaluation import EvaluationPlan, plan_evaluation
 from ..factors import LogFactor, compute_log_factors, contract_estimate
 from ..log_einsum import checks_deferred
+from ..particle_groups import particle_groups_of
 from ..poutine import TMCMessenger
 from ..scales import ScalePlan, symbolize
 from ..sites import (
@@ -271,7 +272,10 @@ def run_model(model, guide_trace: Trace, args, kwargs, settings: DrawSettings) -
 
 
 def continuing_messenger(replayed: Trace, settings: DrawSettings) -> TMCMessenger:
-    """A ``tmc`` handler that continues the dim allocation of a run whose trace it replays."""
+    """
+    A ``tmc`` handler that continues the dim allocation of a run whose trace it
+    replays, and its particle groups (the model's own latents join the guide's).
+    """
     return TMCMessenger(
         settings.num_samples,
         settings.proposal,
@@ -280,6 +284,7 @@ def continuing_messenger(replayed: Trace, settings: DrawSettings) -> TMCMessenge
         continue_allocation=True,
         joint_dim=joint_dim(replayed) if settings.joint else None,
         particle_counts=settings.particle_counts,
+        particle_groups=particle_groups_of(replayed),
     )
 
 
