@@ -85,13 +85,16 @@ class TimeLink:
 class MarkovTime:
     """
     A time dim to contract as a chain: its packed symbol, and per chained latent,
-    the symbol of the first step's particles (the link's *from* side, which the
-    previous steps share) and of the current steps' particles (its *to* side).
+    the symbol of the links' *from* side (the previous steps' particles: the first
+    step's dim for a sampled latent, the previous-steps site's own dim for one
+    summed exactly), of their *to* side (the current steps' particles), and of the
+    first step's particles, which the from side stands for after the product.
     """
 
     symbol: str
-    first_symbols: Tuple[str, ...]
+    from_symbols: Tuple[str, ...]
     current_symbols: Tuple[str, ...]
+    first_symbols: Tuple[str, ...]
     sites: Tuple[str, ...]
 
 
@@ -302,29 +305,48 @@ def markov_times(model_trace: Trace) -> Dict[str, MarkovTime]:
     """
     The time dims of a symbolised model trace that are contracted as chains, by packed symbol.
 
-    :raises ValueError: naming the site, where a chained latent has no particle dim of its own.
+    A chained latent is drawn by the guide (its previous steps replayed by
+    :func:`with_previous_steps`, on the first step's dim) or summed exactly in the
+    model (every step enumerates the same support, so the previous steps' own dim
+    stands for the first step's).
+
+    :raises ValueError: naming the site, where a chained latent has no particle dim
+        of its own, or is sampled by the model itself.
     """
     times: Dict[str, MarkovTime] = {}
     for link in find_time_links(model_trace):
         symbol = model_trace.plate_to_symbol[link.time]
-        first, current = model_trace.nodes[link.first], model_trace.nodes[link.current]
-        symbols = []
-        for site in (first, current):
-            dim = own_particle_dim(site)
-            if dim is None:
-                raise ValueError(
-                    f"Site '{site['name']}' of a vectorized_markov chain has no particles of its own "
-                    "(one particle, or a point mass): TMC cannot chain it. Use num_samples >= 2."
-                )
-            symbols.append(site["infer"]["_dim_to_symbol"][dim])
-        known = times.get(symbol, MarkovTime(symbol, (), (), ()))
+        nodes = model_trace.nodes
+        first, previous, current = nodes[link.first], nodes[link.previous], nodes[link.current]
+        if "_tmc_draw" in previous["infer"]:
+            raise ValueError(
+                f"Site '{link.current}' of a vectorized_markov chain is sampled by the model itself "
+                "(the guide has no such site): its previous steps would be drawn afresh, not be the "
+                "particles of the step before. Sample it in the guide, or mark it "
+                "infer={'enumerate': 'parallel'} to sum it exactly."
+            )
+        first_symbol, current_symbol = (_own_symbol(site) for site in (first, current))
+        from_symbol = _own_symbol(previous) if "_enumerate_dim" in previous["infer"] else first_symbol
+        known = times.get(symbol, MarkovTime(symbol, (), (), (), ()))
         times[symbol] = MarkovTime(
             symbol,
-            known.first_symbols + (symbols[0],),
-            known.current_symbols + (symbols[1],),
+            known.from_symbols + (from_symbol,),
+            known.current_symbols + (current_symbol,),
+            known.first_symbols + (first_symbol,),
             known.sites + (link.current,),
         )
     return times
+
+
+def _own_symbol(site) -> str:
+    """The packed symbol of a chained latent's own particle dim (:func:`own_particle_dim`)."""
+    dim = own_particle_dim(site)
+    if dim is None:
+        raise ValueError(
+            f"Site '{site['name']}' of a vectorized_markov chain has no particles of its own "
+            "(one particle, or a point mass): TMC cannot chain it. Use num_samples >= 2."
+        )
+    return site["infer"]["_dim_to_symbol"][dim]
 
 
 def reduce_markov_times(
@@ -357,7 +379,7 @@ def _chain_product(inside, outside, time: MarkovTime, plates: frozenset, plate_s
     """The factors over one time dim, contracted over it as a chain of ``(state, state)`` links."""
     held = set("".join(f._pyro_dims for f in inside))
     held_outside = set("".join(f._pyro_dims for f in outside))
-    state_from, state_to = list(time.first_symbols), list(time.current_symbols)
+    state_from, state_to = list(time.from_symbols), list(time.current_symbols)
     chained = set(state_from) | set(state_to)
     batch_plates = sorted(held & plates - {time.symbol})
     batch = sorted((held - plates - chained) & held_outside)  # e.g. a global latent in every link
@@ -383,5 +405,6 @@ def _chain_product(inside, outside, time: MarkovTime, plates: frozenset, plate_s
         )
     product = sequential_log_matmul_exp(links.reshape(lead + [num_from, num_to]))
     product = product.reshape(shape[: len(lead) - 1] + shape[len(lead) :])
-    product._pyro_dims = "".join(batch_plates + batch + state_from + state_to)
+    # the product's from side holds the first step's particles (or its support)
+    product._pyro_dims = "".join(batch_plates + batch + list(time.first_symbols) + state_to)
     return product

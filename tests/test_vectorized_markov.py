@@ -16,6 +16,7 @@ import torch
 import pyro
 import pyro.distributions as dist
 from pyro.infer.autoguide import AutoNormal
+from pyro.ops.indexing import Vindex
 
 from pyro_tmc import TMC_ELBO
 
@@ -230,3 +231,89 @@ def test_compiled_graph_equals_eager(float64):
         for g_e, g_p in zip(grads_e, grads_p):
             assert (g_e is None) == (g_p is None)
             assert g_e is None or torch.allclose(g_e, g_p, rtol=0, atol=1e-10)
+
+
+# -- an HMM whose states are summed exactly ---------------------------------------------
+
+HMM_INIT = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
+HMM_TRANS = torch.tensor([[0.8, 0.1, 0.1], [0.2, 0.7, 0.1], [0.1, 0.3, 0.6]], dtype=torch.float64)
+HMM_LOCS = torch.tensor([-1.0, 0.5, 2.0], dtype=torch.float64)
+HMM_X = torch.tensor([0.1, -0.9, 1.8, 2.2, 0.4], dtype=torch.float64)
+
+
+def hmm_model(x):
+    """z_t ~ Categorical(trans[z_{t-1}]), x_t ~ N(locs[z_t], 1), z enumerated."""
+    z_prev = None
+    for t in vectorized_markov(name="time", size=x.shape[-1], dim=-1):
+        probs = HMM_INIT if z_prev is None else Vindex(HMM_TRANS)[..., z_prev, :]
+        z = pyro.sample(f"z_{t}", dist.Categorical(probs), infer={"enumerate": "parallel"})
+        pyro.sample(f"x_{t}", dist.Normal(Vindex(HMM_LOCS)[..., z], 1.0), obs=x[t])
+        z_prev = z
+
+
+def forward_algorithm(x: torch.Tensor) -> torch.Tensor:
+    """log p(x) of the HMM, exactly."""
+    emission = dist.Normal(HMM_LOCS, 1.0)
+    alpha = HMM_INIT.log() + emission.log_prob(x[0])
+    for t in range(1, x.shape[-1]):
+        alpha = torch.logsumexp(alpha[:, None] + HMM_TRANS.log(), 0) + emission.log_prob(x[t])
+    return torch.logsumexp(alpha, 0)
+
+
+def test_enumerated_hmm_is_exact(float64):
+    """Every state summed exactly: the estimate is log p(x), the forward algorithm's."""
+    draw = TMC_ELBO(num_samples=K, max_plate_nesting=1).draw(hmm_model, lambda x: None, HMM_X)
+    assert torch.allclose(draw.log_estimate(), forward_algorithm(HMM_X), rtol=0, atol=1e-10)
+
+
+# -- several sequences, and a latent per step that does not carry over ---------------------
+
+
+def plated_model(x):
+    """S sequences (a plate); per step, z carries over and w_t ~ N(z_t, 1) does not; x_t ~ N(w_t, 1)."""
+    with pyro.plate("sequences", x.shape[0], dim=-2):
+        z_prev = 0.0
+        for t in vectorized_markov(name="time", size=x.shape[-1], dim=-1):
+            z_curr = pyro.sample(f"z_{t}", dist.Normal(z_prev, STEP_SCALE))
+            w = pyro.sample(f"w_{t}", dist.Normal(z_curr, 1.0))
+            # t as a 1-d index: step 0 keeps its (size-1) time dim right of the plate
+            pyro.sample(f"x_{t}", dist.Normal(w, 1.0), obs=x[..., torch.as_tensor(t).reshape(-1)])
+            z_prev = z_curr
+
+
+def test_plate_of_sequences_with_a_local_latent_equals_brute_force(float64):
+    """Brute force per sequence over K^(2T) combinations (z and w per step), T=3, K=2."""
+    x = torch.tensor([[0.4, -0.3, 1.1], [1.5, 0.2, -0.7]])
+    num, length = 2, 3
+    pyro.set_rng_seed(7)
+    draw = TMC_ELBO(num_samples=num, max_plate_nesting=2).draw(plated_model, AutoNormal(plated_model), x)
+    nodes = draw.guide_trace.nodes
+    total = 0.0
+    for s in range(x.shape[0]):
+        z, w, log_q = [], [], []
+        for name in ["0", str(slice(1, length))]:
+            for var, out in (("z", z), ("w", w)):
+                value = nodes[f"{var}_{name}"]["value"]
+                q = nodes[f"{var}_{name}_unconstrained"]["fn"]
+                lq = q.log_prob(value)
+                value, lq = value.reshape(num, x.shape[0], -1)[:, s], lq.reshape(num, x.shape[0], -1)[:, s]
+                out.append(value)
+                log_q.append((var, lq))
+        z, w = torch.cat(z, 1), torch.cat(w, 1)  # (K, T)
+        lq_z = torch.cat([lq for var, lq in log_q if var == "z"], 1)
+        lq_w = torch.cat([lq for var, lq in log_q if var == "w"], 1)
+        terms = []
+        for kz in itertools.product(range(num), repeat=length):
+            for kw in itertools.product(range(num), repeat=length):
+                zp = torch.stack([z[k, t] for t, k in enumerate(kz)])
+                wp = torch.stack([w[k, t] for t, k in enumerate(kw)])
+                prev = torch.cat([zp.new_zeros(1), zp[:-1]])
+                lp = (
+                    dist.Normal(prev, STEP_SCALE).log_prob(zp).sum()
+                    + dist.Normal(zp, 1.0).log_prob(wp).sum()
+                    + dist.Normal(wp, 1.0).log_prob(x[s]).sum()
+                )
+                lq = sum(lq_z[k, t] for t, k in enumerate(kz)) + sum(lq_w[k, t] for t, k in enumerate(kw))
+                terms.append(lp - lq)
+        total = total + torch.logsumexp(torch.stack(terms), 0) - 2 * length * math.log(num)
+    assert torch.allclose(draw.log_estimate(), total, rtol=0, atol=1e-10)
