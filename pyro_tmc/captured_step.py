@@ -43,7 +43,9 @@ tensors: during capture they are swapped for the graph's inputs in every module
 that holds them, and put back after.
 """
 
+import dataclasses
 import gc
+import time
 import warnings
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
@@ -58,6 +60,14 @@ from .log_einsum import any_flag, deferred_underflow_checks
 
 #: keys captured per loss: an argument whose shape changes every step stops being captured after this many
 MAX_CAPTURES = 8
+
+#: a captured step with more operations than this is not compiled by inductor (its compile
+#: time grows with them: about 90 s for 2,900 on this project's 2-core CPU); it is replayed
+#: uncompiled instead (``StepProgram.max_inductor_nodes``; ``None``: no limit)
+MAX_INDUCTOR_NODES = 2000
+
+#: uncompiled replays timed against the eager step before a key settles on the faster
+TIMED_REPLAYS = 3
 
 #: default for ``check_every``: one eager step in this many compares the model's structure with the capture
 CHECK_EVERY = 100
@@ -194,7 +204,8 @@ class _ModulesHolding:
 # -- one captured step ----------------------------------------------------------------
 
 
-class CapturedStep(NamedTuple):
+@dataclasses.dataclass
+class CapturedStep:
     """A key's captured step: its graph, and what it was captured with."""
 
     program: Optional[Callable]  # None: this key runs eagerly
@@ -202,6 +213,9 @@ class CapturedStep(NamedTuple):
     param_names: List[str]
     param_specs: List[tuple]
     structure: List[tuple]
+    #: an uncompiled replay is timed against the eager step: (eager seconds, replay seconds so far)
+    eager_seconds: Optional[float] = None
+    replay_seconds: List[float] = dataclasses.field(default_factory=list)
 
 
 def _spec(tensor: torch.Tensor) -> tuple:
@@ -282,8 +296,13 @@ class StepProgram:
         self.mode = mode
         self.options = dict(options or {})
         self.check_every = check_every
+        #: CUDA graphs (torch.compile's "reduce-overhead" and "max-autotune" modes) reuse output buffers
+        self._outputs_reused = self.options.get("mode") in ("reduce-overhead", "max-autotune")
         self._steps: Dict[tuple, CapturedStep] = {}
         self._seen: Dict[tuple, int] = {}  # key -> steps taken
+        self.max_inductor_nodes = MAX_INDUCTOR_NODES
+        #: an uncompiled replay slower than the eager step gives way to it (:meth:`_settle`)
+        self.choose_faster = True
         self.captures = 0  # how many steps were captured (tests read it)
         self.replays = 0
         self._warned = False
@@ -357,8 +376,10 @@ class StepProgram:
 
     def _capture(self, key, differentiable_loss, arguments, rebuild, eager_step, args, kwargs) -> float:
         recorder = StructureRecorder()
+        start = time.perf_counter()
         with recorder:  # the parameters this step reads, from an eager run (also this step's result)
             loss = eager_step(args, kwargs)
+        eager_seconds = time.perf_counter() - start
         names = recorder.param_names
         try:
             graph, structure = capture_step(differentiable_loss, names, arguments, rebuild)
@@ -371,12 +392,33 @@ class StepProgram:
             _warn_fallback("the model's structure differs from one run to the next with the same arguments")
             return loss
         self.captures += 1
-        program = graph
-        if self.mode == "inductor":
-            program = keeping_validation_default(torch.compile(graph, **{"dynamic": False, **self.options}))
+        graph.graph.eliminate_dead_code()
+        graph.recompile()
         specs = [_spec(p) for p in unconstrained_parameters(names)]
-        self._steps[key] = CapturedStep(program, graph, names, specs, structure)
+        captured = CapturedStep(graph, graph, names, specs, structure, eager_seconds)
+        if self.mode == "inductor" and not self._too_large(graph):
+            options = {"dynamic": False, **self.options}
+            captured.program = keeping_validation_default(torch.compile(graph, **options))
+            captured.eager_seconds = None  # compiled: not timed against eager
+        self._steps[key] = captured
         return loss
+
+    def _too_large(self, graph: torch.fx.GraphModule) -> bool:
+        """Whether a graph has too many operations for inductor to compile in reasonable time (warns once)."""
+        size = sum(node.op == "call_function" for node in graph.graph.nodes)
+        if self.max_inductor_nodes is None or size <= self.max_inductor_nodes:
+            return False
+        warnings.warn(
+            f"pyro_tmc: the captured step has {size} tensor operations, above "
+            f"max_inductor_nodes={self.max_inductor_nodes}: inductor would take minutes to compile "
+            "it, so it is replayed uncompiled (or run eagerly, whichever is faster). A long "
+            "pyro.markov loop is the usual cause: pyro.contrib.funsor.vectorized_markov writes "
+            "it as a few stacked operations. To compile anyway, set "
+            "loss.step_program.max_inductor_nodes = None.",
+            RuntimeWarning,
+            stacklevel=5,
+        )
+        return True
 
     def _replay(self, captured: CapturedStep, arguments, eager_step, args, kwargs) -> float:
         params = [pyro.param(name).unconstrained() for name in captured.param_names]  # SVI sees them
@@ -384,14 +426,34 @@ class StepProgram:
             self._steps.pop(next(k for k, v in self._steps.items() if v is captured))
             return eager_step(args, kwargs)
         rng_state = _rng_state(params + arguments)
+        start = time.perf_counter()
         loss, underflow, *grads = captured.program(*params, *arguments)
         if bool(underflow) or not torch.isfinite(loss):
             _set_rng_state(rng_state)  # the same draw, eagerly: products repaired, a bad site named
             return eager_step(args, kwargs)
         self.replays += 1
         for param, grad in zip(params, grads):
+            if self._outputs_reused:  # a CUDA graph's outputs are overwritten by its next replay
+                grad = grad.clone()
             param.grad = grad if param.grad is None else param.grad + grad
-        return loss.item()
+        value = loss.item()
+        if captured.eager_seconds is not None and self.choose_faster:
+            self._settle(captured, time.perf_counter() - start)
+        return value
+
+    def _settle(self, captured: CapturedStep, seconds: float) -> None:
+        """
+        Time an uncompiled replay against the eager step: replaying decomposed operations
+        one by one, backward included, is slower than eager for a model whose step is
+        tensor work with little Python (a long chain of stacked densities). After
+        :data:`TIMED_REPLAYS` replays, the key keeps the faster of the two.
+        """
+        captured.replay_seconds.append(seconds)
+        if len(captured.replay_seconds) < TIMED_REPLAYS:
+            return
+        if min(captured.replay_seconds) > captured.eager_seconds:
+            captured.program = None  # eager from now on; checks and read-outs are unchanged
+        captured.eager_seconds = None
 
 
 def _close(a: float, b: float, rtol: float = 1e-4) -> bool:

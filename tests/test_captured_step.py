@@ -129,6 +129,7 @@ def test_svi_trains_and_reproduces_with_captured_steps():
         pyro.set_rng_seed(5)
         x = torch.randn(6) + 2.0
         loss = TMC_ELBO(num_samples=4, max_plate_nesting=1, compile="graph")
+        loss.step_program.choose_faster = False  # replays counted below, whatever the timing
         svi = SVI(toy_model, toy_guide, pyro.optim.Adam({"lr": 0.05}), loss)
         losses = [svi.step(x) for _ in range(60)]
         return losses, pyro.param("loc").detach().clone(), loss.step_program.replays
@@ -159,6 +160,7 @@ def test_replayed_estimator_is_unbiased():
     cov = torch.eye(3, dtype=x.dtype) + 1.0
     log_px = dist.MultivariateNormal(torch.zeros(3, dtype=x.dtype), cov).log_prob(x).item()
     loss = TMC_ELBO(num_samples=3, max_plate_nesting=1, compile="graph")
+    loss.step_program.choose_faster = False
     weights = torch.tensor([math.exp(-loss.loss_and_grads(model, guide, x)) for _ in range(3000)])
     assert loss.step_program.replays >= 2900  # one step in 100 is an eager check
     mean, stderr = weights.mean().item(), weights.std().item() / math.sqrt(len(weights))
@@ -242,6 +244,7 @@ def test_new_argument_shape_is_a_new_capture():
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
     loss = TMC_ELBO(num_samples=4, max_plate_nesting=1, compile="graph")
+    loss.step_program.choose_faster = False
     for size in (6, 6, 6, 5, 5, 5, 6):
         loss.loss_and_grads(toy_model, toy_guide, torch.randn(size))
     assert loss.step_program.captures == 2 and loss.step_program.replays == 3
@@ -325,3 +328,34 @@ def test_non_factorised_guide_in_a_plate_is_captured():
             lambda **kw: TMC_ELBO(num_samples=3, max_plate_nesting=1, **kw), model, guide, (x,)
         )
     )
+
+
+def test_slower_replay_gives_way_to_the_eager_step(monkeypatch):
+    """An uncompiled replay timed slower than the eager step: the key runs eagerly from then on."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    x = torch.randn(6)
+    loss = TMC_ELBO(num_samples=4, max_plate_nesting=1, compile="graph")
+    clock = iter(range(0, 10**6, 1))
+    monkeypatch.setattr("pyro_tmc.captured_step.time.perf_counter", lambda: float(next(clock)))
+    for _ in range(2):  # eager, captured: the eager step "took" 1 s
+        loss.loss_and_grads(toy_model, toy_guide, x)
+    program = loss.step_program
+    program._steps[next(iter(program._steps))].eager_seconds = 0.5  # every replay "takes" 1 s
+    for _ in range(6):
+        loss.loss_and_grads(toy_model, toy_guide, x)
+    assert program.replays == 3  # TIMED_REPLAYS, then eager
+
+
+def test_large_step_is_not_compiled_by_inductor():
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    x = torch.randn(6)
+    loss = TMC_ELBO(num_samples=4, max_plate_nesting=1, compile="inductor")
+    loss.step_program.max_inductor_nodes = 10
+    loss.step_program.choose_faster = False
+    with pytest.warns(RuntimeWarning, match="max_inductor_nodes=10"):
+        for _ in range(3):
+            loss.loss_and_grads(toy_model, toy_guide, x)
+    captured = next(iter(loss.step_program._steps.values()))
+    assert captured.program is captured.graph and loss.step_program.replays == 1
