@@ -317,3 +317,30 @@ def test_plate_of_sequences_with_a_local_latent_equals_brute_force(float64):
                 terms.append(lp - lq)
         total = total + torch.logsumexp(torch.stack(terms), 0) - 2 * length * math.log(num)
     assert torch.allclose(draw.log_estimate(), total, rtol=0, atol=1e-10)
+
+
+def test_marginals_equal_brute_force(float64):
+    """compute_marginals: each step's particle weights, from the brute-force posterior over K^T paths."""
+    pyro.set_rng_seed(8)
+    draw = TMC_ELBO(num_samples=K, max_plate_nesting=1).draw(model, guide, X)
+    z = particles_of(draw)
+    log_q = dist.Normal(GUIDE_LOC, GUIDE_SCALE).log_prob(z)
+    paths = list(itertools.product(range(K), repeat=T))
+    log_w = torch.stack(
+        [brute_force(z[list(ks), range(T)][None], X, log_q[list(ks), range(T)][None]) for ks in paths]
+    )
+    weights = (log_w - log_w.logsumexp(0)).exp()
+    expected = torch.zeros(K, T)
+    for w, ks in zip(weights, paths):
+        expected[list(ks), range(T)] += w
+    marginals = draw.marginals()
+    assert f"z_{slice(0, T - 1)}" not in marginals
+    first = marginals["z_0"].log_weights.exp().reshape(K)
+    later = marginals[CURRENT].log_weights.exp().reshape(T - 1, K).T
+    assert torch.allclose(torch.cat([first[:, None], later], 1), expected, rtol=0, atol=1e-10)
+
+
+def test_sample_posterior_refuses_by_name(float64):
+    draw = TMC_ELBO(num_samples=K, max_plate_nesting=1).draw(model, guide, X)
+    with pytest.raises(NotImplementedError, match=re.escape(CURRENT)):
+        draw.sample(5)

@@ -39,6 +39,7 @@ from ..sites import (
     particle_symbol,
     source_weights,
 )
+from ..vectorized_markov import unscored_sites
 
 #: the packed symbol of the draws' batch dim (outside opt_einsum's generated range)
 DRAWS = "\u2203"
@@ -196,7 +197,11 @@ def marginals_and_log_estimate(draw) -> Tuple["OrderedDict[str, Empirical]", tor
         marginal = _point_mass_marginal(model_trace.nodes[name], log_weights_of, model_trace.plate_to_symbol)
         if marginal is not None:
             marginals[name] = marginal
-    marginals = OrderedDict((name, marginals[name]) for name in model_trace.nodes if name in marginals)
+    # a vectorized_markov chain's previous steps hold the steps before's particles: no marginal of their own
+    unscored = unscored_sites(model_trace, draw.guide_trace)
+    marginals = OrderedDict(
+        (name, marginals[name]) for name in model_trace.nodes if name in marginals and name not in unscored
+    )
     return marginals, log_estimate.detach()
 
 
@@ -256,6 +261,13 @@ def sample_posterior(draw, num_draws: int) -> Dict[str, torch.Tensor]:
         drawn particles of the sites it was computed from.
     """
     model_trace, guide_trace = draw.model_trace, draw.guide_trace
+    if draw.scales.markov_times:
+        site = next(iter(draw.scales.markov_times.values())).sites[0]
+        raise NotImplementedError(
+            f"sample_posterior: site '{site}' is a vectorized_markov chain, whose joint draws are not "
+            "implemented. Read its per-step marginals with compute_marginals, or write the chain with "
+            "pyro.markov."
+        )
     scales = dict(draw.scales.plate_scales)
     scales[DRAWS] = 1.0
     with torch.no_grad():
