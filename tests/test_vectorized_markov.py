@@ -359,3 +359,11 @@ def test_different_counts_along_the_chain_are_refused(float64):
 
     with pytest.raises(ValueError, match="one count at every step"):
         TMC_ELBO(num_samples=K, max_plate_nesting=1).loss(model, uneven_guide, X)
+
+
+def test_predictive_log_likelihood_refuses_by_name(float64):
+    from pyro_tmc.infer.predictive import predictive_log_likelihood
+
+    site = f"z_{slice(1, HMM_X.shape[-1])}"
+    with pytest.raises(NotImplementedError, match=re.escape(f"site '{site}' is a vectorized_markov chain")):
+        predictive_log_likelihood(hmm_model, {"unused": torch.zeros(2)}, HMM_X, max_plate_nesting=1)

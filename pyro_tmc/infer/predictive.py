@@ -334,6 +334,12 @@ def _log_estimate_per_draw(draw, num_draws: int) -> torch.Tensor:
     """
     model_trace = draw.model_trace
     scales = draw.scales.plate_scales
+    if draw.scales.markov_times:  # its time dim is a chain, which this contraction would multiply out
+        site = next(iter(draw.scales.markov_times.values())).sites[0]
+        raise NotImplementedError(
+            f"predictive_log_likelihood: site '{site}' is a vectorized_markov chain, which is not "
+            "implemented here. Write the chain with pyro.markov."
+        )
     if any(scale != 1.0 for scale in scales.values()) or draw.scales.root != 1.0:
         raise NotImplementedError(
             "predictive_log_likelihood: the test run has a subsampled plate or poutine.scale; "
