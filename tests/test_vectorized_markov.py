@@ -9,6 +9,7 @@ for unbiasedness (4 measured standard errors).
 import itertools
 import math
 import re
+import warnings
 
 import pytest
 import torch
@@ -367,3 +368,35 @@ def test_predictive_log_likelihood_refuses_by_name(float64):
     site = f"z_{slice(1, HMM_X.shape[-1])}"
     with pytest.raises(NotImplementedError, match=re.escape(f"site '{site}' is a vectorized_markov chain")):
         predictive_log_likelihood(hmm_model, {"unused": torch.zeros(2)}, HMM_X, max_plate_nesting=1)
+
+
+def param_guide(x):
+    """The factorised guide with learnable parameters (a captured step's inputs)."""
+    loc = pyro.param("loc", lambda: torch.zeros(x.shape[-1]))
+    scale = pyro.param("scale", lambda: torch.ones(x.shape[-1]), constraint=dist.constraints.positive)
+    for t in vectorized_markov(name="time", size=x.shape[-1], dim=-1):
+        pyro.sample(f"z_{t}", dist.Normal(loc[t], scale[t]))
+
+
+def test_captured_whole_step_equals_eager_step(float64):
+    """compile="graph": the replayed whole step, on the eager step's draws, gives its loss and gradients."""
+    pyro.set_rng_seed(9)
+    loss = TMC_ELBO(num_samples=K, max_plate_nesting=1, compile="graph")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no fallback to eager
+        for _ in range(2):  # eager, then captured
+            loss.loss_and_grads(model, param_guide, X)
+        params = {name: p for name, p in pyro.get_param_store().named_parameters()}
+        for p in params.values():
+            p.grad = None
+        state = torch.get_rng_state()
+        replayed = loss.loss_and_grads(model, param_guide, X)
+        replayed_grads = {name: p.grad.clone() for name, p in params.items()}
+    assert loss.step_program.replays == 1
+    for p in params.values():
+        p.grad = None
+    torch.set_rng_state(state)
+    eager = loss._eager_loss_and_grads(model, param_guide, (X,), {})
+    assert replayed == pytest.approx(eager, rel=1e-10)
+    for name, p in params.items():
+        assert torch.allclose(replayed_grads[name], p.grad, rtol=1e-8, atol=1e-10), name
