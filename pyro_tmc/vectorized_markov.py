@@ -31,13 +31,18 @@ chain's estimate, term for term: the same factors, contracted in another order.
 
 Several latents per step form one chain whose state is their joint particle
 index; a step's latents that do not carry over to the next step are summed per
-step. Sites are matched by name, as ``vectorized_markov`` itself matches them
+step. A latent summed exactly (``infer={"enumerate": "parallel"}``, drawn by the
+model) enumerates the same support at every step: its links run from the
+previous-steps site's own dim, which stands for the first step's after the
+product. Sites are matched by name, as ``vectorized_markov`` itself matches them
 (``"<var>0"``, ``"<var>slice(0, T-1, None)"``, ``"<var>slice(1, T, None)"``).
 
 Not supported (a :class:`ValueError` names the site): ``history > 1``, a guide
 whose draws at a step depend on the step before (that is sequential by nature:
-a factorised guide over time is what can be drawn at once), and a time dim that
-is subsampled.
+a factorised guide over time is what can be drawn at once), a chained latent
+that the model samples itself, different particle counts along the chain, and
+a time dim that is subsampled or scaled. ``sample_posterior`` and
+``predictive_log_likelihood`` raise :class:`NotImplementedError` on such a chain.
 
 Reference: Aitchison, L. (2019) "Tensor Monte Carlo: Particle Methods for the
 GPU Era", NeurIPS; Särkkä, S. and García-Fernández, Á. F. (2021) "Temporal
