@@ -213,8 +213,9 @@ class CapturedStep:
     param_names: List[str]
     param_specs: List[tuple]
     structure: List[tuple]
-    #: an uncompiled replay is timed against the eager step: (eager seconds, replay seconds so far)
-    eager_seconds: Optional[float] = None
+    #: an uncompiled replay is timed against the eager step, alternately (:meth:`StepProgram._settle`);
+    #: ``None`` once settled or compiled
+    eager_seconds: Optional[List[float]] = None
     replay_seconds: List[float] = dataclasses.field(default_factory=list)
 
 
@@ -335,7 +336,20 @@ class StepProgram:
             return self._capture(key, differentiable_loss, arguments, rebuild, eager_step, args, kwargs)
         if count % self.check_every == 0:
             return self._checked_eager(eager_step, args, kwargs, key, arguments)
+        if self._times_eager_next(captured):
+            start = time.perf_counter()
+            loss = eager_step(args, kwargs)
+            captured.eager_seconds.append(time.perf_counter() - start)
+            return loss
         return self._replay(captured, arguments, eager_step, args, kwargs)
+
+    def _times_eager_next(self, captured: CapturedStep) -> bool:
+        """While a replay is timed against the eager step, they alternate (one eager step per replay)."""
+        return (
+            self.choose_faster
+            and captured.eager_seconds is not None
+            and len(captured.eager_seconds) <= len(captured.replay_seconds)
+        )
 
     # -- eager steps ------------------------------------------------------------------
 
@@ -395,7 +409,7 @@ class StepProgram:
         graph.graph.eliminate_dead_code()
         graph.recompile()
         specs = [_spec(p) for p in unconstrained_parameters(names)]
-        captured = CapturedStep(graph, graph, names, specs, structure, eager_seconds)
+        captured = CapturedStep(graph, graph, names, specs, structure, [eager_seconds])
         if self.mode == "inductor" and not self._too_large(graph):
             options = {"dynamic": False, **self.options}
             captured.program = keeping_validation_default(torch.compile(graph, **options))
@@ -446,12 +460,13 @@ class StepProgram:
         Time an uncompiled replay against the eager step: replaying decomposed operations
         one by one, backward included, is slower than eager for a model whose step is
         tensor work with little Python (a long chain of stacked densities). After
-        :data:`TIMED_REPLAYS` replays, the key keeps the faster of the two.
+        :data:`TIMED_REPLAYS` replays, alternating with eager steps, the key keeps the
+        faster of the two (by their fastest times, which noise inflates least).
         """
         captured.replay_seconds.append(seconds)
         if len(captured.replay_seconds) < TIMED_REPLAYS:
             return
-        if min(captured.replay_seconds) > captured.eager_seconds:
+        if min(captured.replay_seconds) > min(captured.eager_seconds):
             captured.program = None  # eager from now on; checks and read-outs are unchanged
         captured.eager_seconds = None
 
