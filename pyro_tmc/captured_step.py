@@ -217,6 +217,9 @@ class CapturedStep:
     #: ``None`` once settled or compiled
     eager_seconds: Optional[List[float]] = None
     replay_seconds: List[float] = dataclasses.field(default_factory=list)
+    #: replays, and those redone eagerly because a product underflowed
+    attempts: int = 0
+    redone: int = 0
 
 
 def _spec(tensor: torch.Tensor) -> tuple:
@@ -442,9 +445,15 @@ class StepProgram:
         rng_state = _rng_state(params + arguments)
         start = time.perf_counter()
         loss, underflow, *grads = captured.program(*params, *arguments)
+        captured.attempts += 1
         if bool(underflow) or not torch.isfinite(loss):
             _set_rng_state(rng_state)  # the same draw, eagerly: products repaired, a bad site named
-            return eager_step(args, kwargs)
+            value = eager_step(args, kwargs)
+            captured.redone += bool(underflow)
+            self._give_up_if_mostly_redone(captured)
+            if captured.eager_seconds is not None and self.choose_faster:
+                self._settle(captured, time.perf_counter() - start)  # a redo costs both
+            return value
         self.replays += 1
         for param, grad in zip(params, grads):
             if self._outputs_reused:  # a CUDA graph's outputs are overwritten by its next replay
@@ -454,6 +463,19 @@ class StepProgram:
         if captured.eager_seconds is not None and self.choose_faster:
             self._settle(captured, time.perf_counter() - start)
         return value
+
+    def _give_up_if_mostly_redone(self, captured: CapturedStep) -> None:
+        """A key whose replays mostly underflow (a stiff chain) runs eagerly: each would be paid twice."""
+        if captured.attempts >= TIMED_REPLAYS + 1 and 2 * captured.redone > captured.attempts:
+            captured.program = None
+            warnings.warn(
+                f"pyro_tmc: {captured.redone} of {captured.attempts} replays of this loss's captured "
+                "step had log-space products that underflowed (their exact repair runs eagerly), so "
+                "it runs eagerly from now on. A chain whose steps are much narrower than its "
+                "particles' spread does this; more particles or a better guide make it rarer.",
+                RuntimeWarning,
+                stacklevel=5,
+            )
 
     def _settle(self, captured: CapturedStep, seconds: float) -> None:
         """

@@ -19,9 +19,9 @@ from pyro.infer import SVI
 from pyro_tmc import IWAE_ELBO, TMC_ELBO, TMC_RWS
 
 try:
-    from .test_compiled import _cases, toy_guide, toy_model
+    from .test_compiled import _cases, chain_guide, chain_model, toy_guide, toy_model
 except ImportError:  # tests/ is not a package: pytest puts it on sys.path
-    from test_compiled import _cases, toy_guide, toy_model
+    from test_compiled import _cases, chain_guide, chain_model, toy_guide, toy_model
 
 
 def _params():
@@ -360,3 +360,17 @@ def test_large_step_is_not_compiled_by_inductor():
             loss.loss_and_grads(toy_model, toy_guide, x)
     captured = next(iter(loss.step_program._steps.values()))
     assert captured.program is captured.graph and loss.step_program.replays == 1
+
+
+def test_a_step_that_mostly_underflows_runs_eagerly():
+    """A stiff chain: most replays flag an underflowed product and are redone eagerly; the key gives up."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    loss = TMC_ELBO(num_samples=16, max_plate_nesting=0, compile="graph")
+    loss.step_program.choose_faster = False
+    args = (torch.tensor(0.7), 40)
+    with pytest.warns(RuntimeWarning, match="underflowed"):
+        for _ in range(8):
+            loss.loss_and_grads(chain_model, chain_guide, *args)
+    captured = next(iter(loss.step_program._steps.values()))
+    assert captured.program is None and 2 * captured.redone > captured.attempts
