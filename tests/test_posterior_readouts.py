@@ -11,7 +11,7 @@ import pyro
 import pyro.distributions as dist
 from pyro.infer.autoguide import AutoNormal
 
-from pyro_tmc import TMC_ELBO
+from pyro_tmc import IWAE_ELBO, TMC_ELBO
 from pyro_tmc.infer import posterior
 
 NUM_OUTER, NUM_INNER = 4, 5
@@ -112,3 +112,29 @@ def test_autonormal_point_mass_sites_on_nested_plates(data, fresh_pyro):
         assert samples[name].shape == (6,) + shape, name
         assert torch.isfinite(samples[name]).all()
     assert not math.isnan(float(samples["a"].std()))
+
+
+def test_iwae_marginal_of_an_unplated_delta_beside_a_plated_latent():
+    """
+    IWAE's joint index is shared by every site; an unplated AutoNormal Delta (``mu``) takes the
+    weights of that index, which a plated site (``theta``) carries equally in every plate element.
+    Before the fix, ``mu`` was given ``theta``'s plated weights and the read-out raised.
+    """
+
+    def model(y):
+        mu = pyro.sample("mu", dist.Normal(0.0, 10.0))
+        with pyro.plate("groups", 3, dim=-1):
+            theta = pyro.sample("theta", dist.Normal(mu, 1.0))
+            pyro.sample("y", dist.Normal(theta, 1.0), obs=y)
+
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    y = torch.tensor([1.0, 2.0, 3.0])
+    guide = AutoNormal(model)
+    guide(y)
+    marginals = IWAE_ELBO(num_samples=8, max_plate_nesting=1).compute_marginals(model, guide, y)
+    theta_weights = marginals["theta"].log_weights  # (3, 8): one row per plate element
+    assert torch.allclose(theta_weights, theta_weights[:1].expand_as(theta_weights), atol=1e-5)
+    mu_weights = marginals["mu"].log_weights
+    assert mu_weights.shape == (8,)
+    assert torch.allclose(mu_weights.softmax(-1), theta_weights[0].softmax(-1), atol=1e-6)

@@ -189,7 +189,10 @@ def marginals_and_log_estimate(draw) -> Tuple["OrderedDict[str, Empirical]", tor
         weights = all_weights[name]
         log_weights = _particles_last(site, weights.clamp(min=0).log(), 0)
         symbol = particle_symbol(site)
-        log_weights_of[symbol] = log_weights
+        # a dim shared by several sites (IWAE's joint samples, a particle group): the weights of
+        # the one in the fewest plates, which any Delta carrying that dim can take
+        if symbol not in log_weights_of or log_weights.dim() < log_weights_of[symbol].dim():
+            log_weights_of[symbol] = log_weights
         if name in model_trace.nodes:
             samples = _particles_last(site, site["value"].detach(), site["fn"].event_dim)
             marginals[name] = ParticleMarginal(samples, log_weights)
@@ -218,6 +221,11 @@ def _point_mass_marginal(site, log_weights_of, plate_to_symbol):
     ((symbol, dim),) = carried.items()
     samples = _particles_last(site, site["value"].detach(), event_dim, dim)
     log_weights = log_weights_of[symbol]
+    extra = log_weights.dim() - (len(plates) + 1)
+    if extra > 0:
+        # Only a dim shared outside the plates (IWAE's joint index) reaches a Delta in fewer
+        # plates than every site on it; its weights are then the same in every plate element.
+        log_weights = log_weights[(0,) * extra]
     # The source's plates are among the site's (plate dependencies are checked): broadcast.
     log_weights = log_weights.reshape((1,) * (len(plates) + 1 - log_weights.dim()) + log_weights.shape)
     return ParticleMarginal(samples, log_weights.expand(samples.shape[: len(plates) + 1]))
