@@ -205,19 +205,21 @@ class Case:
 PROGRAM_MODES = ("graph", "inductor")
 
 
-def add_program_step(case: "Case", mode: str, device: str, loss, model, guide, *args, label=None) -> None:
-    """A row for ``TMC_ELBO(compile=mode)``; its first call (tracing, compiling) is the compile column."""
-    name = f"{PYRO_TMC} compile={label or repr(mode)}"
+def _add_compiled_row(case: "Case", name: str, mode: str, device: str, step, first_calls: int) -> None:
+    """
+    Time ``step``'s first ``first_calls`` calls (tracing, capturing, compiling) into the compile
+    column; a fallback to eager (pyro_tmc's "could not ..." warning) is a failed row instead.
+    """
     if mode == "inductor":
         torch._dynamo.reset()  # a fresh compile per case, as for the hand-written one
-    step = _pyro_step(loss, model, guide, *args)
     _sync(device)
     start = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", RuntimeWarning)
-        step()
+        for _ in range(first_calls):
+            step()
     _sync(device)
-    fallbacks = [str(w.message) for w in caught if "could not trace" in str(w.message)]
+    fallbacks = [str(w.message) for w in caught if "pyro_tmc could not" in str(w.message)]
     if fallbacks:
         case.failed[name] = "fell back to eager: " + fallbacks[0][:160].replace("|", "/")
         return
@@ -225,16 +227,20 @@ def add_program_step(case: "Case", mode: str, device: str, loss, model, guide, *
     case.steps[name] = step
 
 
+def add_program_step(case: "Case", mode: str, device: str, loss, model, guide, *args, label=None) -> None:
+    """A row for ``TMC_ELBO(compile=mode)``'s estimate program; its first call is the compile column."""
+    name = f"{PYRO_TMC} compile={label or repr(mode)}"
+    _add_compiled_row(case, name, mode, device, _pyro_step(loss, model, guide, *args), first_calls=1)
+
+
 def add_captured_step(case: "Case", mode: str, device: str, loss, model, guide, *args) -> None:
     """
     A row for the whole step captured (``loss_and_grads`` under ``TMC_ELBO(compile=mode)``,
     :mod:`pyro_tmc.captured_step`): guide, model, estimate and gradients in one graph. The
     parameters persist between steps (a replay does not re-run ``pyro.param``'s init); its
-    first two calls (eager, then the capture and compile) are the compile column.
+    first three calls are the compile column: an eager step, the capture, and the first
+    replay, where ``torch.compile`` compiles the graph (it compiles lazily).
     """
-    name = f"{PYRO_TMC} compile={mode!r}, whole step"
-    if mode == "inductor":
-        torch._dynamo.reset()
     pyro.get_param_store().clear()
 
     def step():
@@ -243,19 +249,8 @@ def add_captured_step(case: "Case", mode: str, device: str, loss, model, guide, 
             p.unconstrained().grad = None
         return torch.tensor(value)  # loss_and_grads returns a float
 
-    _sync(device)
-    start = time.perf_counter()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", RuntimeWarning)
-        step()
-        step()
-    _sync(device)
-    fallbacks = [str(w.message) for w in caught if "could not capture" in str(w.message)]
-    if fallbacks:
-        case.failed[name] = "fell back to eager: " + fallbacks[0][:160].replace("|", "/")
-        return
-    case.compile_seconds[name] = f"{time.perf_counter() - start:.1f}"
-    case.steps[name] = step
+    name = f"{PYRO_TMC} compile={mode!r}, whole step"
+    _add_compiled_row(case, name, mode, device, step, first_calls=3)
 
 
 def toy_case(num_data: int, num_samples: int, device: str, compiled: bool) -> Case:

@@ -89,7 +89,6 @@ import math
 import os
 import sys
 import time
-import warnings
 from typing import Callable, NamedTuple
 
 import torch
@@ -268,32 +267,8 @@ def chain_case(chain: Chain, K: int, compiled: bool, unrolled: bool) -> frontier
 
 
 def add_whole_step(case: frontier.Case, mode: str, loss, model, guide, *args) -> None:
-    """
-    frontier.add_captured_step, with the first three calls in the compile column: an eager
-    step, the capture, and the first replay, where ``torch.compile`` compiles the graph.
-    """
-    name = f"{frontier.PYRO_TMC} compile={mode!r}, whole step"
-    if mode == "inductor":
-        torch._dynamo.reset()
-    pyro.get_param_store().clear()
-
-    def step():
-        value = loss.loss_and_grads(model, guide, *args)
-        for p in pyro.get_param_store().values():
-            p.unconstrained().grad = None
-        return torch.tensor(value)
-
-    start = time.perf_counter()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", RuntimeWarning)
-        for _ in range(3):
-            step()
-    fallbacks = [str(w.message) for w in caught if "could not capture" in str(w.message)]
-    if fallbacks:
-        case.failed[name] = "fell back to eager: " + fallbacks[0][:160].replace("|", "/")
-        return
-    case.compile_seconds[name] = f"{time.perf_counter() - start:.1f}"
-    case.steps[name] = step
+    """frontier.add_captured_step on the CPU: eager step, capture and first (compiling) replay timed apart."""
+    frontier.add_captured_step(case, mode, "cpu", loss, model, guide, *args)
 
 
 def _check_same_estimate(case: frontier.Case, chain: Chain, K: int, draws: int = 20) -> None:

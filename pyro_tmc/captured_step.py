@@ -55,7 +55,7 @@ import pyro
 from pyro.poutine.messenger import Messenger
 
 from ._pyro import param_store_holding
-from .compiled import MODES, GraphFallback, keeping_validation_default
+from .compiled import MODES, GraphFallback, keeping_validation_default, warn_fallback
 from .log_einsum import any_flag, deferred_underflow_checks
 
 #: keys captured per loss: an argument whose shape changes every step stops being captured after this many
@@ -515,12 +515,4 @@ def _set_rng_state(state: tuple) -> None:
 
 
 def _warn_fallback(reason: str) -> None:
-    reason = " ".join(reason.split())
-    if len(reason) > 300:
-        reason = reason[:300] + "..."
-    warnings.warn(
-        f"pyro_tmc could not capture this loss's step into one graph; it runs eagerly instead "
-        f"(same values, no speed-up). Reason: {reason}",
-        RuntimeWarning,
-        stacklevel=5,
-    )
+    warn_fallback("capture this loss's step", reason, stacklevel=5)

@@ -395,13 +395,18 @@ def keeping_validation_default(compiled: Callable) -> Callable:
     return run
 
 
-def _warn_fallback(reason: str) -> None:
+def warn_fallback(what: str, reason: str, stacklevel: int) -> None:
+    """One warning that ``what`` (e.g. "trace this model's estimate") failed and runs eagerly, and why."""
     reason = " ".join(reason.split())
     if len(reason) > 300:
         reason = reason[:300] + "..."
     warnings.warn(
-        f"pyro_tmc could not trace this model's estimate into a graph; it runs eagerly instead "
+        f"pyro_tmc could not {what} into a graph; it runs eagerly instead "
         f"(same values, no speed-up). Reason: {reason}",
         RuntimeWarning,
-        stacklevel=4,
+        stacklevel=stacklevel + 1,
     )
+
+
+def _warn_fallback(reason: str) -> None:
+    warn_fallback("trace this model's estimate", reason, stacklevel=4)
