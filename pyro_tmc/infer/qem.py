@@ -20,6 +20,14 @@ Families (chosen per site from its support, or named per site):
 - ``"LogNormal"`` (positive support): T = (log z, (log z)^2).
 - ``"Gamma"`` (positive support, by name): T = (z, log z); the shape solves
   ``log a - digamma(a) = log E[z] - E[log z]`` by Newton's method.
+- ``"UnconstrainedNormal"`` (any other continuous support, e.g. ``Interval(-1, 1)`` or the unit
+  interval): a Normal on the unconstrained value ``u = biject_to(support).inv(z)``, pushed through
+  the bijection; T = (u, u^2). For a Beta posterior on (0, 1) its fixed point matches
+  ``E[logit z]`` and ``Var[logit z]``.
+
+A model's ``pyro.markov`` loop (a site per step, with distinct names) is visited by the guide
+in a ``pyro.markov`` loop of the same steps, so that TMC recycles the steps' particle dims
+as it does in the model: a chain of any length, not only those under torch's 64 dims.
 
 This follows the alan library's QEM (moving averages of mean parameters, converted
 to conventional parameters), written for Pyro models and guides.
@@ -32,10 +40,10 @@ References
 
 import math
 from contextlib import ExitStack
-from typing import Callable, Dict, NamedTuple, Optional, Tuple, Union
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
-from torch.distributions import constraints
+from torch.distributions import biject_to, constraints
 
 import pyro
 import pyro.distributions as dist
@@ -102,6 +110,41 @@ class GammaFamily:
         return mean, torch.digamma(concentration) - rate.log()
 
 
+class UnconstrainedNormalFamily(NormalFamily):
+    """
+    q(z) = Normal(loc, scale) on ``u = biject_to(support).inv(z)``, pushed through the bijection:
+    mean parameters (E[u], E[u^2]). A fallback for any continuous support with a bijection.
+
+    :param support: the site's support (a :class:`~torch.distributions.constraints.Constraint`).
+    """
+
+    name = "UnconstrainedNormal"
+
+    def __init__(self, support: constraints.Constraint) -> None:
+        self.transform = biject_to(support)
+
+    def statistics(self, value: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        return super().statistics(self.transform.inv(value))
+
+    def distribution(self, first: torch.Tensor, second: torch.Tensor) -> dist.TorchDistribution:
+        base = super().distribution(first, second).to_event(self.transform.domain.event_dim)
+        return dist.TransformedDistribution(base, self.transform)
+
+    def prior_statistics(self, fn, init_scale: float, num_draws: int = 1000):
+        """
+        (E[u], E[u^2]) of the prior ``fn`` (its variance times ``init_scale^2``), from
+        ``num_draws`` draws: the unconstrained moments of most priors have no closed form.
+        Draws that the bijection maps to +-inf (a float at the support's edge) are left out.
+        """
+        with torch.no_grad():
+            values = self.transform.inv(fn.sample((num_draws,)))
+        finite = torch.isfinite(values)
+        count = finite.sum(0).clamp(min=1)
+        mean = values.where(finite, 0.0).sum(0) / count
+        variance = (values - mean).where(finite, 0.0).square().sum(0) / (count - 1).clamp(min=1)
+        return self.initial_statistics(mean, variance.clamp(min=1e-6) * init_scale**2)
+
+
 def gamma_shape(gap: torch.Tensor, newton_steps: int = 6) -> torch.Tensor:
     """
     The Gamma shape ``a`` with ``log a - digamma(a) = gap`` (``gap = log E[z] - E[log z] > 0``):
@@ -122,10 +165,15 @@ def _stddev(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
 
 
 FAMILIES = {family.name: family for family in (NormalFamily(), LogNormalFamily(), GammaFamily())}
+#: every family a site may name; the unconstrained Normal is made per site, from its support
+FAMILY_NAMES = sorted(FAMILIES) + [UnconstrainedNormalFamily.name]
 
 
 def default_family(site: dict):
-    """Normal for a real site, LogNormal for a positive one, else ``None`` (not supported)."""
+    """
+    Normal for a real site, LogNormal for a positive one, else a Normal on the unconstrained
+    scale of the site's support; ``None`` for a support with no bijection (not supported).
+    """
     support = site["fn"].support
     while isinstance(support, constraints.independent):
         support = support.base_constraint
@@ -133,10 +181,25 @@ def default_family(site: dict):
         return FAMILIES["Normal"]
     if isinstance(support, constraints.greater_than) and float(support.lower_bound) == 0.0:
         return FAMILIES["LogNormal"]
-    return None
+    return unconstrained_family(site)
+
+
+def unconstrained_family(site: dict) -> Optional[UnconstrainedNormalFamily]:
+    """The unconstrained Normal of the site's support, or ``None`` where the support has no bijection."""
+    try:
+        return UnconstrainedNormalFamily(site["fn"].support)
+    except NotImplementedError:  # biject_to's answer for a support it does not know
+        return None
 
 
 # -- the guide ------------------------------------------------------------------------
+
+
+class MarkovLoop(NamedTuple):
+    """The guide sites of a model's ``pyro.markov`` loop: its steps (site names), and its history."""
+
+    steps: List[List[str]]
+    history: int
 
 
 class QEMSite(NamedTuple):
@@ -167,8 +230,9 @@ class QEMGuide:
         guide.distribution("theta").mean, guide.distribution("theta").stddev
 
     :param callable model: the Pyro model.
-    :param dict families: site name -> ``"Normal"``, ``"LogNormal"`` or ``"Gamma"``; other
-        sites: Normal for real support, LogNormal for positive support.
+    :param dict families: site name -> ``"Normal"``, ``"LogNormal"``, ``"Gamma"`` or
+        ``"UnconstrainedNormal"``; other sites: Normal for real support, LogNormal for positive
+        support, UnconstrainedNormal for any other continuous support (e.g. ``Interval(-1, 1)``).
     :param float init_scale: the first guide's standard deviations, as multiples of the
         prior's (read from the prior at one draw of the model); wider proposals are safer.
     :param str prefix: the param store names' prefix.
@@ -183,14 +247,15 @@ class QEMGuide:
     ) -> None:
         self.model = model
         self.families = dict(families or {})
-        unknown = set(self.families.values()) - set(FAMILIES)
+        unknown = set(self.families.values()) - set(FAMILY_NAMES)
         if unknown:
             raise ValueError(
-                f"QEMGuide(families=...): unknown families {sorted(unknown)}; use {sorted(FAMILIES)}."
+                f"QEMGuide(families=...): unknown families {sorted(unknown)}; use {FAMILY_NAMES}."
             )
         self.init_scale = init_scale
         self.prefix = prefix
         self.sites: Optional[Dict[str, QEMSite]] = None
+        self.blocks: List[Union[str, MarkovLoop]] = []  # the visiting order: sites and markov loops
 
     def param_name(self, name: str) -> str:
         return f"{self.prefix}.{name}"
@@ -212,18 +277,22 @@ class QEMGuide:
             self.sites[name] = QEMSite(
                 _plate_frames(site), family, site["fn"].batch_shape, site["fn"].event_dim
             )
-            mean, variance = _prior_moments(site, self.init_scale)
-            first, second = family.initial_statistics(mean, variance)
+            first, second = _initial_statistics(site, family, self.init_scale)
             pyro.param(self.param_name(name), torch.stack([first, second]).detach())
+        self.blocks = markov_blocks(prototype, list(self.sites))
 
     def _family(self, site: dict):
         if site["name"] in self.families:
-            return FAMILIES[self.families[site["name"]]]
+            chosen = self.families[site["name"]]
+            if chosen == UnconstrainedNormalFamily.name:
+                return UnconstrainedNormalFamily(site["fn"].support)
+            return FAMILIES[chosen]
         family = default_family(site)
         if family is None:
             raise NotImplementedError(
-                f"QEMGuide: site '{site['name']}' has support {site['fn'].support}; QEM fits Normal (real) "
-                "and LogNormal or Gamma (positive) sites. Reparameterise it onto one of those supports."
+                f"QEMGuide: site '{site['name']}' has support {site['fn'].support}, which has no bijection "
+                "to the real line (torch.distributions.biject_to); QEM fits Normal, LogNormal, Gamma and "
+                "unconstrained-Normal sites. Reparameterise it onto a support with one."
             )
         return family
 
@@ -236,8 +305,8 @@ class QEMGuide:
 
     def distribution(self, name: str) -> dist.TorchDistribution:
         """The guide's distribution of the site (batch shape: the site's plates; event as the model's)."""
-        site = self.sites[name]
-        return site.family.distribution(*self.statistics(name)).to_event(site.event_dim)
+        fitted = self.sites[name].family.distribution(*self.statistics(name))
+        return fitted.to_event(self.sites[name].event_dim - fitted.event_dim)
 
     def __call__(self, *args, **kwargs) -> None:
         self.setup(*args, **kwargs)
@@ -248,11 +317,19 @@ class QEMGuide:
             for frame in site.frames:
                 if frame.name not in plates:
                     plates[frame.name] = pyro.plate(frame.name, frame.size, dim=frame.dim)
-        for name, site in self.sites.items():
-            with ExitStack() as stack:
-                for frame in site.frames:
-                    stack.enter_context(plates[frame.name])
-                pyro.sample(name, self.distribution(name))
+        for block in self.blocks:
+            if isinstance(block, str):
+                self._sample(block, plates)
+                continue
+            for step in pyro.markov(block.steps, history=block.history):
+                for name in step:
+                    self._sample(name, plates)
+
+    def _sample(self, name: str, plates: dict) -> None:
+        with ExitStack() as stack:
+            for frame in self.sites[name].frames:
+                stack.enter_context(plates[frame.name])
+            pyro.sample(name, self.distribution(name))
 
     # -- the QEM update ------------------------------------------------------------------
 
@@ -270,6 +347,62 @@ class QEMGuide:
             statistics = pair.movedim(-1, 0)
             old = pyro.param(self.param_name(name)).detach()
             store[self.param_name(name)] = old + lr * (statistics.reshape(old.shape).to(old) - old)
+
+
+def markov_blocks(trace, names: List[str]) -> List[Union[str, MarkovLoop]]:
+    """
+    The sites ``names`` (in the trace's order) as the guide visits them: a site outside
+    ``pyro.markov`` on its own, the sites of a loop as a :class:`MarkovLoop` of its steps.
+
+    ``pyro.markov`` writes each site's scope (the names of the sites it may depend on: those
+    of the last ``history`` steps and the earlier ones of its own step) into its ``infer``.
+    A site starts a new step where its scope drops a name the previous site's held; the
+    first ``history + 1`` steps, where nothing drops out yet, are read as one. Merging steps
+    only costs particle dims; it never lets two steps the model links share one.
+    """
+    blocks: List[Union[str, MarkovLoop]] = []
+    previous: Optional[Tuple[str, set]] = None  # the last site in a loop, and its scope
+    for name in names:
+        infer = trace.nodes[name]["infer"]
+        depth = infer.get("_markov_depth", 0)
+        if depth > 1:
+            raise NotImplementedError(
+                f"QEMGuide: site '{name}' is in nested pyro.markov loops; QEM follows one loop level."
+            )
+        if depth == 0:
+            blocks.append(name)
+            previous = None
+            continue
+        scope = set(infer.get("_markov_scope", ()))
+        if previous is None or not scope:  # a loop's first site
+            blocks.append(MarkovLoop([[name]], 1))
+        elif scope >= previous[1] | {previous[0]}:
+            blocks[-1].steps[-1].append(name)
+        else:
+            blocks[-1].steps.append([name])
+        previous = (name, scope)
+    return [_with_history(block, trace) if isinstance(block, MarkovLoop) else block for block in blocks]
+
+
+def _with_history(loop: MarkovLoop, trace) -> MarkovLoop:
+    """The loop with its history: the furthest step back that a step's first site may depend on."""
+    step_of = {name: index for index, step in enumerate(loop.steps) for name in step}
+    history = 1
+    for index, step in enumerate(loop.steps):
+        scope = trace.nodes[step[0]]["infer"].get("_markov_scope", ())
+        earlier = [step_of[name] for name in scope if name in step_of and step_of[name] < index]
+        if earlier:
+            history = max(history, index - min(earlier))
+    return MarkovLoop(loop.steps, history)
+
+
+def _initial_statistics(site: dict, family, init_scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The family's mean parameters at the prior's moments, the sds times ``init_scale``."""
+    if isinstance(family, UnconstrainedNormalFamily):
+        first, second = family.prior_statistics(site["fn"], init_scale)
+        return first.to(site["value"].dtype), second.to(site["value"].dtype)
+    mean, variance = _prior_moments(site, init_scale)
+    return family.initial_statistics(mean, variance)
 
 
 def _plate_frames(site: dict) -> tuple:
