@@ -57,6 +57,7 @@ from pyro.poutine.messenger import Messenger
 from ._pyro import param_store_holding
 from .compiled import MODES, GraphFallback, keeping_validation_default, warn_fallback
 from .log_einsum import any_flag, deferred_underflow_checks
+from .loop_rolling import count_operations, roll
 
 #: keys captured per loss: an argument whose shape changes every step stops being captured after this many
 MAX_CAPTURES = 8
@@ -65,6 +66,11 @@ MAX_CAPTURES = 8
 #: time grows with them: about 90 s for 2,900 on this project's 2-core CPU); it is replayed
 #: uncompiled instead (``StepProgram.max_inductor_nodes``; ``None``: no limit)
 MAX_INDUCTOR_NODES = 2000
+
+#: a captured step with more operations than this is rolled (:mod:`pyro_tmc.loop_rolling`): its
+#: repeated blocks, a ``pyro.markov`` loop's steps, batched into one operation each
+#: (``StepProgram.roll_above``; ``None``: never)
+ROLL_ABOVE = 1000
 
 #: uncompiled replays timed against the eager step before a key settles on the faster
 TIMED_REPLAYS = 3
@@ -305,6 +311,10 @@ class StepProgram:
         self._steps: Dict[tuple, CapturedStep] = {}
         self._seen: Dict[tuple, int] = {}  # key -> steps taken
         self.max_inductor_nodes = MAX_INDUCTOR_NODES
+        self.roll_above = ROLL_ABOVE
+        #: whether a rolled step batches its random draws too: fewer operations, but not the
+        #: eager step's numbers from the same generator state (:func:`~pyro_tmc.loop_rolling.roll`)
+        self.batch_draws = False
         #: an uncompiled replay slower than the eager step gives way to it (:meth:`_settle`)
         self.choose_faster = True
         self.captures = 0  # how many steps were captured (tests read it)
@@ -411,18 +421,38 @@ class StepProgram:
         self.captures += 1
         graph.graph.eliminate_dead_code()
         graph.recompile()
-        specs = [_spec(p) for p in unconstrained_parameters(names)]
-        captured = CapturedStep(graph, graph, names, specs, structure, [eager_seconds])
-        if self.mode == "inductor" and not self._too_large(graph):
+        params = unconstrained_parameters(names)
+        specs = [_spec(p) for p in params]
+        program = self._rolled(graph, params + arguments)
+        captured = CapturedStep(program, graph, names, specs, structure, [eager_seconds])
+        if self.mode == "inductor" and not self._too_large(program):
             options = {"dynamic": False, **self.options}
-            captured.program = keeping_validation_default(torch.compile(graph, **options))
+            captured.program = keeping_validation_default(torch.compile(program, **options))
             captured.eager_seconds = None  # compiled: not timed against eager
         self._steps[key] = captured
         return loss
 
+    def _rolled(self, graph: torch.fx.GraphModule, inputs: List[torch.Tensor]) -> torch.fx.GraphModule:
+        """
+        The graph with its repeated blocks rolled (:func:`pyro_tmc.loop_rolling.roll`), where
+        it has more than ``roll_above`` operations and rolling makes it smaller; else itself.
+        """
+        if self.roll_above is None or count_operations(graph) <= self.roll_above:
+            return graph
+        try:
+            rolled = roll(graph, inputs, self.batch_draws)
+        except Exception as error:  # the unrolled graph is always right
+            warnings.warn(
+                f"pyro_tmc: could not roll the captured step ({error}); it is replayed unrolled.",
+                RuntimeWarning,
+                stacklevel=5,
+            )
+            return graph
+        return rolled if count_operations(rolled) < count_operations(graph) else graph
+
     def _too_large(self, graph: torch.fx.GraphModule) -> bool:
         """Whether a graph has too many operations for inductor to compile in reasonable time (warns once)."""
-        size = sum(node.op == "call_function" for node in graph.graph.nodes)
+        size = count_operations(graph)
         if self.max_inductor_nodes is None or size <= self.max_inductor_nodes:
             return False
         warnings.warn(

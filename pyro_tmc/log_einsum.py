@@ -26,7 +26,9 @@ then ``m + log sum_j exp(a_j + b_j - m)``), over only those entries, in chunks
 of bounded memory. Entries whose operands hold no finite maximum are ``-inf``
 and are left alone. While tracing a graph (:func:`deferred_underflow_checks`),
 where no branch on values can run, each product records a flag instead, and the
-caller recomputes eagerly when one is set.
+caller recomputes eagerly when one is set. A matrix product in a graph
+(:func:`log_matmul_exp`, a chain's links) is computed in float64 there, so that a
+stiff chain's flag is rare: its steps are not each redone eagerly.
 
 Reference: the max-plus (tropical) product as the exact shift, e.g. Rush,
 "Torch-Struct: Deep Structured Prediction Library", ACL 2020 (its log semiring).
@@ -274,8 +276,16 @@ def log_matmul_exp(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     floor = torch.finfo(x.dtype).min  # an all -inf row or column: shift 0, not -inf
     x_shift = x.detach().amax(-1, keepdim=True).clamp(min=floor)
     y_shift = y.detach().amax(-2, keepdim=True).clamp(min=floor)
-    shifted_sum = torch.matmul((x - x_shift).exp(), (y - y_shift).exp())
     live = lambda: (x_shift > floor) & (y_shift > floor)  # noqa: E731 (finite maxima: not clamped)
+    if checks_deferred() and x.dtype != torch.float64:
+        # A graph cannot repair entries on demand, and a stiff chain underflows float32 at
+        # most steps (Fig. 4 of the paper): the graph keeps the float64 product, whose range
+        # holds the spreads seen in practice. Only an entry below float64's floor is flagged.
+        x_wide, y_wide = x.double(), y.double()
+        x_shift, y_shift = x_shift.double(), y_shift.double()
+        shifted_sum = torch.matmul((x_wide - x_shift).exp(), (y_wide - y_shift).exp())
+        return _log_plus_shifts(shifted_sum, [x_shift, y_shift], live, None, None, x.size(-1)).to(x.dtype)
+    shifted_sum = torch.matmul((x - x_shift).exp(), (y - y_shift).exp())
     wide_sum = lambda: torch.matmul(  # noqa: E731 (the same product in float64)
         (x.double() - x_shift.double()).exp(), (y.double() - y_shift.double()).exp()
     )

@@ -1,0 +1,668 @@
+"""Loop rolling: a captured step's repeated operations, batched into one operation each.
+
+A ``pyro.markov`` loop of ``N`` steps is traced (:mod:`pyro_tmc.captured_step`) as
+``N`` copies of the same block of operations: the guide's ``loc[i]`` read, its
+draw, the model's density of step ``i``, and their backward. Replaying the graph
+costs a few microseconds per operation, so a 1,000-step chain of about 40
+operations per step is bound by the replay, and inductor cannot compile it in
+reasonable time. This module rolls the copies back up, as a compiler rolls a
+loop it had unrolled:
+
+1. The graph is functionalized (:func:`torch.func.functionalize`): no operation
+   mutates a tensor, so operations can be reordered freely within their
+   dependencies.
+2. A chain of additions of same-shape tensors (autograd accumulating a
+   parameter's gradient over its ``N`` uses) becomes one ``sum`` of their stack.
+3. Each operation gets a level: one more than its inputs' highest. Operations on
+   one level do not depend on each other; those with the same target, the same
+   non-tensor arguments and the same input shapes are one group, run as one
+   operation by :func:`torch.vmap` over their stacked inputs. An input that is
+   the output of a whole earlier group, in order, is that group's stacked output
+   as it is: no stack and unbind in between. ``select`` and ``slice`` (and their
+   backwards) at different indices become one indexing operation.
+4. The groups, level by level, are traced again by ``make_fx`` into one flat
+   graph.
+
+Random draws are never batched, and they keep their order: a rolled step draws
+the same numbers as the eager step from the same generator state. The rolled
+graph computes the same values, up to the order of floating-point additions.
+
+Reference: the rewrite is the horizontal batching of "Auto-vectorizing TensorFlow
+graphs: jacobians, auto-batching and beyond" (Agarwal and Ganichev, 2019), here by
+``torch.vmap``'s batching rules, over a traced graph rather than a program.
+"""
+
+import operator
+from collections import defaultdict
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch.fx import Graph, GraphModule, Node
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+aten = torch.ops.aten
+
+#: (target, argument positions whose ints may differ within a group)
+_VARYING_INTS = {
+    aten.select.int: (2,),
+    aten.slice.Tensor: (2, 3),
+    aten.select_backward.default: (3,),
+    aten.slice_backward.default: (3, 4),
+}
+
+#: random draws that are elementwise in their tensor arguments: one call on the members' stacked
+#: arguments draws each member's numbers independently (each call its own, from the same distribution)
+ELEMENTWISE_DRAWS = {
+    aten.normal_functional.default,
+    aten.normal.Tensor_Tensor,
+    aten.normal.Tensor_float,
+    aten.normal.float_Tensor,
+    aten.uniform.default,
+    aten.bernoulli.default,
+    aten.bernoulli.p,
+    aten.rand_like.default,
+    aten.randn_like.default,
+    aten.exponential.default,
+    aten.poisson.default,
+    aten._standard_gamma.default,
+    aten.binomial.default,
+}
+
+#: a chain of additions shorter than this is left as it is
+MIN_SUM_CHAIN = 3
+
+#: a ``stack`` or ``cat`` of more tensors than this is not batched with others like it
+MAX_GROUPED_JOIN = 4
+
+#: an input gathered from group outputs with more than this many rows per row used is stacked instead
+MAX_GATHER_WASTE = 4
+
+
+# -- the graph's facts ----------------------------------------------------------------------
+
+
+def _value(node: Node) -> Any:
+    return node.meta.get("val")
+
+
+def _is_random(node: Node) -> bool:
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
+
+
+def _signature(value: Any) -> Any:
+    """Shapes and dtypes of a node's value (a tensor, or a pytree of them)."""
+    leaves, spec = tree_flatten(value)
+    return (
+        tuple(
+            (tuple(v.shape), v.dtype, v.device) if isinstance(v, torch.Tensor) else repr(v) for v in leaves
+        ),
+        repr(spec),
+    )
+
+
+def _same_shape_add(node: Node) -> bool:
+    """An ``add`` of two tensors of its own shape and dtype (no broadcast, no ``alpha``)."""
+    if node.op != "call_function" or node.target is not aten.add.Tensor or node.kwargs:
+        return False
+    if len(node.args) != 2 or not all(isinstance(a, Node) for a in node.args):
+        return False
+    out = _value(node)
+    return isinstance(out, torch.Tensor) and all(
+        isinstance(_value(a), torch.Tensor) and _value(a).shape == out.shape and _value(a).dtype == out.dtype
+        for a in node.args
+    )
+
+
+def collapse_sum_chains(graph: Graph) -> int:
+    """
+    Rewrite each chain ``((a + b) + c) + ...`` of same-shape additions, each
+    partial sum used only by the next, as ``stack([a, b, c, ...]).sum(0)``.
+    Autograd accumulates a parameter's gradient so, one use after the other:
+    a chain as long as the loop, which no level can batch.
+
+    :returns: how many chains were rewritten.
+    """
+    rewritten = 0
+    erased = set()
+    for node in reversed(list(graph.nodes)):
+        if node in erased or not _same_shape_add(node):
+            continue
+        if any(_same_shape_add(user) for user in node.users):  # not the end of its chain
+            continue
+        leaves, inner = _chain_leaves(node)
+        if len(leaves) < MIN_SUM_CHAIN:
+            continue
+        with graph.inserting_before(node):
+            stacked = graph.call_function(aten.stack.default, (leaves, 0))
+            total = graph.call_function(aten.sum.dim_IntList, (stacked, [0]))
+        total.meta["val"] = _value(node)
+        stacked.meta["val"] = None
+        node.replace_all_uses_with(total)
+        for dead in [node] + inner:
+            graph.erase_node(dead)
+            erased.add(dead)
+        rewritten += 1
+    return rewritten
+
+
+def _chain_leaves(end: Node) -> Tuple[List[Node], List[Node]]:
+    """The summands of the chain of additions ending at ``end``, in order, and its inner additions."""
+    leaves: List[Node] = []
+    inner: List[Node] = []
+    pending = [end]
+    while pending:
+        node = pending.pop()
+        if node is not end and not (_same_shape_add(node) and len(node.users) == 1):
+            leaves.append(node)
+            continue
+        if node is not end:
+            inner.append(node)
+        pending.extend(reversed(node.args))  # left operand first
+    return leaves, inner
+
+
+def levels(graph: Graph, after: Optional[Dict[Node, List[Node]]] = None) -> Dict[Node, int]:
+    """
+    Each node's level: 0 for inputs and constants, else one more than its inputs'
+    highest (and than the nodes it must come ``after``: :func:`mutation_order`). A
+    random draw is raised, where needed, to the level of the draw before it, so
+    that emitting level by level keeps the draws in order.
+    """
+    after = after or {}
+    level: Dict[Node, int] = {}
+    last_random = 0
+    for node in graph.nodes:
+        inputs = node.all_input_nodes + after.get(node, [])
+        level[node] = 1 + max((level[i] for i in inputs), default=0) if node.op == "call_function" else 0
+        if node.op == "call_function" and _is_random(node):
+            level[node] = last_random = max(level[node], last_random)
+    return level
+
+
+# -- mutations ----------------------------------------------------------------------------------
+
+#: a random fill of a fresh tensor, and the draw that returns a new one instead
+_FILLS = {
+    aten.normal_.default: aten.normal_functional.default,
+    aten.uniform_.default: aten.uniform.default,
+    aten.exponential_.default: aten.exponential.default,
+    aten.bernoulli_.float: aten.bernoulli.p,
+}
+
+#: factories whose values are all overwritten by a fill or copy
+_FRESH = {
+    aten.empty.memory_format,
+    aten.empty_like.default,
+    aten.new_empty.default,
+    aten.new_empty_strided.default,
+}
+
+
+def _mutates(node: Node) -> bool:
+    return isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable
+
+
+def _aliases(node: Node) -> bool:
+    """Whether the node's value is a view of (or is) its first argument's."""
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], Node):
+        return False
+    if node.target is operator.getitem:
+        return _aliases(node.args[0])
+    if not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    returns = node.target._schema.returns
+    return bool(returns) and returns[0].alias_info is not None
+
+
+def replace_fresh_fills(graph: Graph) -> None:
+    """
+    ``empty(...).normal_()`` (how ``make_fx`` writes ``randn``) as one draw that
+    returns a new tensor, and ``empty(...).copy_(x)`` as a plain ``copy``: no
+    mutation left for :func:`mutation_order` to pin.
+    """
+    for node in list(graph.nodes):
+        target = node.target
+        if target not in _FILLS and target is not aten.copy_.default:
+            continue
+        fresh = node.args[0]
+        if not (isinstance(fresh, Node) and fresh.target in _FRESH and len(fresh.users) == 1):
+            continue
+        functional = _FILLS.get(target, aten.copy.default)
+        with graph.inserting_before(node):
+            new = graph.call_function(functional, node.args, node.kwargs)
+        new.meta = dict(node.meta)
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+
+
+def mutation_order(graph: Graph) -> Tuple[Dict[Node, List[Node]], set]:
+    """
+    For the mutations left in a graph (an in-place write into a slice of a
+    buffer): the tensors that alias a mutated one (its buffer, the views of it,
+    the writes) are pinned, run one by one as written, and each read or write of
+    such a tensor comes after the write before it, and each write after the reads
+    before it.
+
+    :returns: ``{node: nodes it must come after}`` and the pinned nodes.
+    """
+    parent: Dict[Node, Node] = {}
+
+    def find(node: Node) -> Node:
+        while parent.get(node, node) is not node:
+            node = parent[node]
+        return node
+
+    for node in graph.nodes:
+        if _aliases(node) or _mutates(node):
+            parent[find(node)] = find(node.args[0])
+    mutated = {find(node) for node in graph.nodes if _mutates(node)}
+    pinned = {node for node in graph.nodes if node.op == "call_function" and find(node) in mutated}
+    after: Dict[Node, List[Node]] = defaultdict(list)
+    last_write: Dict[Node, Node] = {}
+    reads_since: Dict[Node, List[Node]] = defaultdict(list)
+    for node in graph.nodes:
+        touched = {find(i) for i in node.all_input_nodes if i in pinned}
+        if node in pinned:
+            touched.add(find(node))
+        for buffer in touched:
+            if buffer in last_write:
+                after[node].append(last_write[buffer])
+            if _mutates(node) and find(node) is buffer:
+                after[node].extend(reads_since.pop(buffer, []))
+                last_write[buffer] = node
+            else:
+                reads_since[buffer].append(node)
+    return after, pinned
+
+
+# -- groups -----------------------------------------------------------------------------------
+
+
+class Group:
+    """Operations of one level, one target, and the same arguments but for their tensors (or varying ints)."""
+
+    def __init__(self, members: List[Node]) -> None:
+        self.members = members
+        self.first = members[0]
+
+
+def _group_key(node: Node, level: int, batch_draws: bool) -> Optional[tuple]:
+    """What a node must share with the others of its group; ``None``: it runs on its own."""
+    if node.op != "call_function" or (_is_random(node) and not batch_draws) or _mutates(node):
+        return None
+    target = node.target
+    if not (isinstance(target, torch._ops.OpOverload) or target is operator.getitem):
+        return None
+    if target in (aten.stack.default, aten.cat.default) and len(node.args[0]) > MAX_GROUPED_JOIN:
+        return None  # a long join of a loop's values: RolledStep._joined_from_groups indexes their groups
+    leaves, spec = tree_flatten((node.args, node.kwargs))
+    varying = _VARYING_INTS.get(target, ())
+    statics = []
+    for position, leaf in enumerate(leaves):
+        if isinstance(leaf, Node) and leaf.op == "get_attr":  # a constant: its identity, not only its shape
+            statics.append(("C", leaf.target))
+        elif isinstance(leaf, Node):
+            statics.append(("T", _signature(_value(leaf))))
+        elif position in varying and isinstance(leaf, int):
+            statics.append("int")
+        else:
+            statics.append(("S", repr(leaf)))
+    return (level, target, repr(spec), tuple(statics), _signature(_value(node)))
+
+
+def plan_groups(graph: Graph, batch_draws: bool = False) -> List[List[Group]]:
+    """
+    The graph's operations as groups, level by level; each level in the order of the original graph.
+
+    :param bool batch_draws: whether random draws of one level are batched too (the same
+        distribution, but not the same numbers as one by one from the same generator state).
+    """
+    after, pinned = mutation_order(graph)
+    level = levels(graph, after)
+    by_key: Dict[tuple, List[Node]] = defaultdict(list)
+    singles: List[Node] = []
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        key = None if node in pinned else _group_key(node, level[node], batch_draws)
+        if key is None:
+            singles.append(node)
+        else:
+            by_key[key].append(node)
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    groups = [Group(members) for members in by_key.values()] + [Group([node]) for node in singles]
+    schedule: Dict[int, List[Group]] = defaultdict(list)
+    for group in groups:
+        schedule[level[group.first]].append(group)
+    return [sorted(schedule[d], key=lambda g: order[g.first]) for d in sorted(schedule)]
+
+
+# -- running the groups ------------------------------------------------------------------------
+
+
+#: :meth:`RolledStep._run_batched`'s answer for a group whose members all compute the same value
+_SHARED = object()
+
+
+class _Batched:
+    """A group's stacked output (a tensor, or a pytree of tensors, with the members along dim 0)."""
+
+    def __init__(self, value: Any, size: int) -> None:
+        self.value = value
+        self.size = size
+        self._unbound: Optional[List[Any]] = None
+
+    def member(self, index: int) -> Any:
+        if self._unbound is None:
+            if isinstance(self.value, torch.Tensor):
+                self._unbound = list(self.value.unbind(0))
+            else:
+                self._unbound = [tree_map(lambda t, i=i: t[i], self.value) for i in range(self.size)]
+        return self._unbound[index]
+
+
+class RolledStep:
+    """
+    Runs a functional graph group by group (the callable that ``make_fx`` traces
+    into the rolled graph).
+
+    :param GraphModule module: the functionalized step.
+    :param schedule: :func:`plan_groups` of its graph.
+    """
+
+    def __init__(self, module: GraphModule, schedule: List[List[Group]]) -> None:
+        self.module = module
+        self.schedule = schedule
+
+    def __call__(self, *inputs: torch.Tensor) -> Any:
+        self.values: Dict[Node, Any] = {}
+        self.place: Dict[Node, Tuple[_Batched, int]] = {}
+        placeholders = [n for n in self.module.graph.nodes if n.op == "placeholder"]
+        for node, value in zip(placeholders, inputs):
+            self.values[node] = value
+        for node in self.module.graph.nodes:
+            if node.op == "get_attr":
+                self.values[node] = getattr(self.module, node.target)
+        for groups in self.schedule:
+            for group in groups:
+                self._run(group)
+        output = next(n for n in self.module.graph.nodes if n.op == "output")
+        return tree_map(lambda a: self._get(a) if isinstance(a, Node) else a, output.args[0])
+
+    def _get(self, node: Node) -> Any:
+        if node in self.values:
+            return self.values[node]
+        batched, index = self.place[node]
+        return batched.member(index)
+
+    def _run(self, group: Group) -> None:
+        if len(group.members) > 1:
+            try:
+                batched = self._run_batched(group)
+            except Exception:  # no batching rule for this op: each member on its own
+                batched = None
+            if batched is _SHARED:
+                return
+            if batched is not None:
+                for index, node in enumerate(group.members):
+                    self.place[node] = (batched, index)
+                return
+        for node in group.members:
+            self.values[node] = self._run_single(node)
+
+    def _run_single(self, node: Node) -> Any:
+        if node.target in (aten.stack.default, aten.cat.default):
+            joined = self._joined_from_groups(node)
+            if joined is not None:
+                return joined
+        args, kwargs = tree_map(
+            lambda a: self._get(a) if isinstance(a, Node) else a, (node.args, node.kwargs)
+        )
+        return node.target(*args, **kwargs)
+
+    def _stacked_from_group(self, sources: Sequence[Node]) -> Optional[torch.Tensor]:
+        """
+        ``stack(sources)`` where most sources are members of batched groups:
+        indexing into their stacked outputs (concatenated where there are several,
+        as when a loop's even and odd steps took two paths through a log-depth
+        contraction, with the few others stacked beside them), not a stack of
+        one-by-one reads.
+        """
+        if not sources or not all(isinstance(s, Node) for s in sources):
+            return None
+        blocks: Dict[int, Tuple[Any, int]] = {}  # id(group output) -> (its stacked value, its offset)
+        loose: List[Node] = []
+        for source in sources:
+            if source not in self.place:
+                loose.append(source)
+                continue
+            batched = self.place[source][0]
+            if not isinstance(batched.value, torch.Tensor):
+                return None
+            blocks.setdefault(id(batched), (batched.value, 0))
+        if not blocks or len(loose) * 2 > len(sources):  # mostly one-by-one values: a plain stack
+            return None
+        offset, values = 0, []
+        for key, (value, _) in blocks.items():
+            blocks[key] = (value, offset)
+            offset += value.size(0)
+            values.append(value)
+        loose_at = {source: offset + i for i, source in enumerate(dict.fromkeys(loose))}
+        if loose_at:
+            values.append(torch.stack([self._get(source) for source in loose_at]))
+        if offset + len(loose_at) > MAX_GATHER_WASTE * len(sources):  # most rows unused: stack the few
+            return None
+        if len({(tuple(v.shape[1:]), v.dtype) for v in values}) > 1:
+            return None
+        whole = values[0] if len(values) == 1 else torch.cat(values, 0)
+        rows = [
+            loose_at[s] if s in loose_at else blocks[id(self.place[s][0])][1] + self.place[s][1]
+            for s in sources
+        ]
+        return _take(whole, rows)
+
+    def _joined_from_groups(self, node: Node) -> Optional[torch.Tensor]:
+        """A ``stack`` or ``cat`` of members of batched groups, as indexing into their outputs."""
+        sources = node.args[0]
+        whole = self._stacked_from_group(sources)
+        if whole is None:
+            return None
+        dim = _argument(node, 1, "dim", 0)
+        if node.target is aten.stack.default:
+            return whole.movedim(0, dim % whole.dim())
+        if whole.dim() < 2:
+            return None
+        dim = dim % (whole.dim() - 1)
+        return whole.movedim(0, dim).flatten(dim, dim + 1)
+
+    def _gather(self, sources: List[Node]) -> Tuple[Any, Optional[int]]:
+        """One input position of a group for all members: ``(value, 0)`` stacked, ``(value, None)`` shared."""
+        if all(s is sources[0] for s in sources):
+            return self._get(sources[0]), None
+        whole = self._stacked_from_group(sources)
+        if whole is not None:
+            return whole, 0
+        return torch.stack([self._get(s) for s in sources]), 0
+
+    def _run_batched(self, group: Group) -> Any:
+        """The group's stacked output; :data:`_SHARED` where every input is shared (one result serves all)."""
+        first = group.first
+        leaves, spec = tree_flatten((first.args, first.kwargs))
+        member_leaves = [tree_flatten((m.args, m.kwargs))[0] for m in group.members]
+        positions = [p for p, leaf in enumerate(leaves) if isinstance(leaf, Node)]
+        gathered = [self._gather([ml[p] for ml in member_leaves]) for p in positions]
+        if _is_random(first):  # one draw per member, never one shared
+            if first.target not in ELEMENTWISE_DRAWS or not gathered:
+                return None
+            filled = list(leaves)
+            for p, (value, dim) in zip(positions, gathered):
+                filled[p] = _expand_shared(value, dim, len(group.members))
+            args, kwargs = tree_unflatten(filled, spec)
+            return _Batched(first.target(*args, **kwargs), len(group.members))
+        if all(dim is None for _, dim in gathered) and first.target not in _VARYING_INTS:
+            value = self._run_single(first)
+            for node in group.members:
+                self.values[node] = value
+            return _SHARED
+        size = len(group.members)
+        rule = _BATCH_RULES.get(first.target)
+        if rule is not None:
+            ints = [[ml[p] for p in _VARYING_INTS[first.target]] for ml in member_leaves]
+            return _Batched(rule(first, gathered, ints, size), size)
+        values = [value for value, _ in gathered]
+        in_dims = tuple(dim for _, dim in gathered)
+
+        def one(*tensors):
+            filled = list(leaves)
+            for p, tensor in zip(positions, tensors):
+                filled[p] = tensor
+            args, kwargs = tree_unflatten(filled, spec)
+            return first.target(*args, **kwargs)
+
+        return _Batched(torch.vmap(one, in_dims=in_dims)(*values), size)
+
+
+def _argument(node: Node, position: int, name: str, default: Any) -> Any:
+    if len(node.args) > position:
+        return node.args[position]
+    return node.kwargs.get(name, default)
+
+
+def _take(stacked: torch.Tensor, indices: List[int]) -> torch.Tensor:
+    """``stacked[indices]``: the tensor itself, a strided slice, or an ``index_select``."""
+    size = stacked.size(0)
+    if indices == list(range(size)):
+        return stacked
+    if len(indices) > 1:
+        step = indices[1] - indices[0]
+        if step > 0 and indices == list(range(indices[0], indices[0] + step * len(indices), step)):
+            return stacked[indices[0] : indices[-1] + 1 : step]
+    return stacked.index_select(0, torch.tensor(indices, device=stacked.device))
+
+
+# -- batching rules for indexing at ints that differ between members ---------------------------
+
+
+def _expand_shared(value: torch.Tensor, dim: Optional[int], size: int) -> torch.Tensor:
+    return value.unsqueeze(0).expand((size,) + tuple(value.shape)) if dim is None else value
+
+
+def _select_rule(node: Node, gathered, ints, size) -> torch.Tensor:
+    ((source, source_dim),) = gathered
+    dim = node.args[1] % source.dim() if source_dim is None else node.args[1] % (source.dim() - 1)
+    index = torch.tensor([i for (i,) in ints], device=source.device)
+    if source_dim is None:  # one tensor read at N indices: index_select
+        index = index % source.size(dim)
+        return source.index_select(dim, index).movedim(dim, 0)
+    moved = source.movedim(dim + 1, 1)  # (members, indexed dim, rest...)
+    index = index % moved.size(1)
+    return moved[torch.arange(size, device=source.device), index]
+
+
+def _slice_indices(node: Node, ints, length: int, device) -> torch.Tensor:
+    """The (members, slice length) indices of each member's slice."""
+    step = _argument(node, 4, "step", 1)
+    rows = []
+    for start, end in ints:
+        start = 0 if start is None else start
+        rows.append(list(range(length))[slice(start, end, step)])
+    return torch.tensor(rows, device=device)
+
+
+def _slice_rule(node: Node, gathered, ints, size) -> torch.Tensor:
+    ((source, source_dim),) = gathered
+    rank = source.dim() - (source_dim is not None)
+    dim = _argument(node, 1, "dim", 0) % rank
+    if source_dim is None:
+        index = _slice_indices(node, ints, source.size(dim), source.device)  # (members, L)
+        taken = source.index_select(dim, index.reshape(-1))
+        taken = taken.unflatten(dim, index.shape)  # (..., members, L, ...)
+        return taken.movedim(dim, 0)
+    index = _slice_indices(node, ints, source.size(dim + 1), source.device)
+    moved = source.movedim(dim + 1, 1)  # (members, dim, rest...)
+    taken = moved[torch.arange(size, device=source.device)[:, None], index]  # (members, L, rest...)
+    return taken.movedim(1, dim + 1)
+
+
+def _select_backward_rule(node: Node, gathered, ints, size) -> torch.Tensor:
+    ((grad, grad_dim),) = gathered
+    grad = _expand_shared(grad, grad_dim, size)
+    sizes = list(node.args[1])
+    dim = node.args[2] % len(sizes)
+    out = grad.new_zeros([size] + sizes).movedim(dim + 1, 1)  # (members, dim, rest...)
+    index = torch.tensor([i for (i,) in ints], device=grad.device) % sizes[dim]
+    out = out.index_put((torch.arange(size, device=grad.device), index), grad)
+    return out.movedim(1, dim + 1)
+
+
+def _slice_backward_rule(node: Node, gathered, ints, size) -> torch.Tensor:
+    ((grad, grad_dim),) = gathered
+    grad = _expand_shared(grad, grad_dim, size)
+    sizes = list(node.args[1])
+    dim = node.args[2] % len(sizes)
+    step = node.args[5] if len(node.args) > 5 else 1
+    rows = [list(range(sizes[dim]))[slice(start, end, step)] for start, end in ints]
+    index = torch.tensor(rows, device=grad.device)
+    out = grad.new_zeros([size] + sizes).movedim(dim + 1, 1)
+    values = grad.movedim(dim + 1, 1)  # (members, L, rest...)
+    out = out.index_put((torch.arange(size, device=grad.device)[:, None], index), values)
+    return out.movedim(1, dim + 1)
+
+
+_BATCH_RULES: Dict[Any, Callable] = {
+    aten.select.int: _select_rule,
+    aten.slice.Tensor: _slice_rule,
+    aten.select_backward.default: _select_backward_rule,
+    aten.slice_backward.default: _slice_backward_rule,
+}
+
+
+# -- the pass -------------------------------------------------------------------------------
+
+
+def count_operations(module: GraphModule) -> int:
+    return sum(node.op == "call_function" for node in module.graph.nodes)
+
+
+def merge_equal_constants(module: GraphModule) -> None:
+    """One ``get_attr`` node per distinct constant tensor (a loop makes the same constant at every step)."""
+    seen: Dict[tuple, Node] = {}
+    for node in list(module.graph.nodes):
+        if node.op != "get_attr":
+            continue
+        value = getattr(module, node.target)
+        if not isinstance(value, torch.Tensor) or value.numel() > 64:
+            continue
+        key = (tuple(value.shape), value.dtype, value.device, tuple(value.reshape(-1).tolist()))
+        if key in seen:
+            node.replace_all_uses_with(seen[key])
+            module.graph.erase_node(node)
+        else:
+            seen[key] = node
+
+
+def roll(
+    module: GraphModule, example_inputs: Sequence[torch.Tensor], batch_draws: bool = False
+) -> GraphModule:
+    """
+    The rolled graph of a captured step (see the module docstring): the same
+    function of the same inputs, with each level's repeated operations batched.
+
+    :param module: a graph traced by ``make_fx``.
+    :param example_inputs: inputs of the right shapes (traced as fake tensors; not run).
+    :param bool batch_draws: see :func:`plan_groups`.
+    """
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    graph = module.graph
+    merge_equal_constants(module)
+    replace_fresh_fills(graph)
+    graph.eliminate_dead_code()
+    collapse_sum_chains(graph)
+    module.recompile()
+    schedule = plan_groups(graph, batch_draws)
+    rolled = make_fx(RolledStep(module, schedule), tracing_mode="fake")(*example_inputs)
+    rolled.graph.eliminate_dead_code()
+    rolled.recompile()
+    return rolled

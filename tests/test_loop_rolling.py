@@ -1,0 +1,152 @@
+"""Loop rolling: a captured step's repeated blocks batched, with the same values and gradients.
+
+Rolled without batching the random draws, a graph draws the same numbers from the
+same generator state as the graph it came from, so the two must agree to float
+precision (the only change is the order of additions). With the draws batched (the
+default), the rolled step draws from the same distribution: its estimate must stay
+unbiased.
+"""
+
+import math
+import warnings
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import pyro
+import pyro.distributions as dist
+
+from pyro_tmc import TMC_ELBO
+from pyro_tmc.captured_step import capture_step, flatten_arguments, unconstrained_parameters
+from pyro_tmc.loop_rolling import count_operations, roll
+
+try:
+    from .test_compiled import _cases, chain_guide, chain_model
+except ImportError:  # tests/ is not a package: pytest puts it on sys.path
+    from test_compiled import _cases, chain_guide, chain_model
+
+
+def _captured(loss, model, guide, args):
+    """The whole-step graph of ``loss`` on ``model`` / ``guide``, and its inputs."""
+    loss.loss_and_grads(model, guide, *args)  # creates the parameters
+    names = list(pyro.get_param_store().keys())
+    arguments, _, rebuild = flatten_arguments(args, {})
+    graph, _ = capture_step(
+        lambda *a, **k: loss.differentiable_loss(model, guide, *a, **k), names, arguments, rebuild
+    )
+    graph.graph.eliminate_dead_code()
+    graph.recompile()
+    return graph, unconstrained_parameters(names) + arguments
+
+
+def _same_outputs(graph, rolled, inputs, rtol=1e-5):
+    state = torch.get_rng_state()
+    expected = graph(*inputs)
+    torch.set_rng_state(state)
+    actual = rolled(*inputs)
+    assert len(actual) == len(expected)
+    for a, e in zip(actual, expected):
+        if e.dtype == torch.bool:
+            assert torch.equal(a, e)
+        else:
+            assert torch.allclose(a, e, rtol=rtol, atol=rtol * max(1.0, e.abs().max().item()))
+
+
+@pytest.mark.parametrize("case", list(_cases()))
+@pytest.mark.parametrize("variance_reduction", [None, "stl", "dregs"])
+def test_rolled_graph_equals_captured_graph(case, variance_reduction):
+    if variance_reduction == "dregs" and case == "non_factorised":
+        pytest.skip("DReGs refuses a non-factorised guide (tests/test_estimators.py)")
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    model, guide, args, nesting = _cases()[case]
+    loss = TMC_ELBO(num_samples=4, max_plate_nesting=nesting, variance_reduction=variance_reduction)
+    graph, inputs = _captured(loss, model, guide, args)
+    _same_outputs(graph, roll(graph, inputs, batch_draws=False), inputs)
+
+
+def test_long_chain_rolls_to_a_size_that_does_not_grow_with_its_length():
+    sizes = {}
+    for length in (24, 96):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        loss = TMC_ELBO(num_samples=8, max_plate_nesting=0)
+        graph, inputs = _captured(loss, chain_model, chain_guide, (torch.tensor(0.3), length))
+        unrolled = count_operations(graph)
+        _same_outputs(graph, roll(graph, inputs, batch_draws=False), inputs)
+        sizes[length] = (unrolled, count_operations(roll(graph, inputs, batch_draws=True)))
+    (short_unrolled, short_rolled), (long_unrolled, long_rolled) = sizes[24], sizes[96]
+    assert long_unrolled > 2.5 * short_unrolled, sizes  # the unrolled graph grows with the chain
+    # the rolled one (draws batched) by the contraction tree's two more levels only (~80 operations each)
+    assert long_rolled < short_rolled + 200 and long_rolled < long_unrolled / 3, sizes
+
+
+def test_mutations_keep_their_order():
+    """Writes into slices of a buffer, between reads of it, at one level of the graph."""
+
+    def step(x, y):
+        buffer = x.new_zeros(4, 3)
+        parts = [x[i] * 2.0 for i in range(4)]  # four like operations: one group
+        buffer[0].copy_(parts[0])
+        first = buffer.sum()  # reads the buffer between two writes
+        buffer[1:3] += torch.stack(parts[1:3])
+        second = (buffer * y).sum()
+        buffer[3].copy_(parts[3] + first)
+        return first, second, buffer.clone(), torch.randn(3) + torch.randn(3)
+
+    x, y = torch.randn(4, 3), torch.randn(4, 3)
+    graph = make_fx(step, tracing_mode="fake")(x, y)
+    _same_outputs(graph, roll(graph, [x, y], batch_draws=False), [x, y])
+    torch.manual_seed(0)
+    expected = step(x, y)
+    torch.manual_seed(0)
+    for a, e in zip(roll(make_fx(step, tracing_mode="fake")(x, y), [x, y])(x, y)[:3], expected[:3]):
+        assert torch.allclose(a, e)
+
+
+def test_batched_draws_keep_the_estimate_unbiased():
+    """The rolled step, with its draws batched, on a chain whose p(x) is known: z_N ~ N(0, 1)."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(1)
+    x, length = torch.tensor(0.8, dtype=torch.float64), 12
+
+    def guide(x, N):
+        for i in pyro.markov(range(1, N + 1)):
+            pyro.sample(f"z_{i}", dist.Normal(x.new_zeros(()), math.sqrt(i / N)))
+
+    loss = TMC_ELBO(num_samples=6, max_plate_nesting=0, compile="graph")
+    program = loss.step_program
+    program.roll_above, program.choose_faster, program.batch_draws = 0, False, True
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # rolled and replayed, no fallback
+        weights = torch.tensor(
+            [math.exp(-loss.loss_and_grads(chain_model, guide, x, length)) for _ in range(2000)]
+        )
+    captured = next(iter(program._steps.values()))
+    assert captured.program is not captured.graph
+    assert count_operations(captured.program) < count_operations(captured.graph)
+    assert program.replays >= 1950
+    exact = math.exp(dist.Normal(0.0, math.sqrt(2.0)).log_prob(x).item())
+    mean, stderr = weights.mean().item(), weights.std().item() / math.sqrt(len(weights))
+    assert abs(mean - exact) < 4 * stderr, (mean, exact, stderr)
+
+
+def test_svi_on_a_rolled_chain_matches_the_eager_losses_on_average():
+    """Training through the rolled step: the losses of the first steps match eager training's in mean."""
+
+    def run(mode):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        loss = TMC_ELBO(num_samples=8, max_plate_nesting=0, compile=mode)
+        if mode:
+            loss.step_program.roll_above, loss.step_program.choose_faster = 0, False
+        optim = pyro.optim.Adam({"lr": 0.02})
+        svi = pyro.infer.SVI(chain_model, chain_guide, optim, loss)
+        return torch.tensor([svi.step(torch.tensor(0.5), 16) for _ in range(150)])
+
+    eager, rolled = run(None), run("graph")
+    assert torch.isfinite(rolled).all()
+    tail_e, tail_r = eager[-50:], rolled[-50:]
+    stderr = math.sqrt(tail_e.var() / 50 + tail_r.var() / 50)
+    assert abs(tail_e.mean() - tail_r.mean()) < 4 * stderr + 0.05
