@@ -12,14 +12,27 @@ def broadcast_shape(*shapes: Sequence[int]) -> torch.Size:
 
     :raises RuntimeError: as torch does, for shapes that do not broadcast.
     """
-    width = max((len(s) for s in shapes), default=0)
-    result = [1] * width
+    if len(shapes) == 2:  # a value's batch shape and its distribution's: nearly every call
+        return _broadcast_pair(*shapes)
+    result = torch.Size()
     for shape in shapes:
-        for i, size in enumerate(shape, width - len(shape)):
-            if size != 1:
-                if result[i] not in (1, size):
-                    return torch.broadcast_shapes(*shapes)  # raises, naming the shapes
-                result[i] = size
+        result = _broadcast_pair(result, shape)
+    return result
+
+
+def _broadcast_pair(a: Sequence[int], b: Sequence[int]) -> torch.Size:
+    """The broadcast of two shapes; where the shorter is the longer's tail (the common case), no loop."""
+    if len(a) < len(b):
+        a, b = b, a
+    pad = len(a) - len(b)
+    if a[pad:] == b:  # a list and a tuple never compare equal: the loop below then runs
+        return a if type(a) is torch.Size else torch.Size(a)
+    result = list(a)
+    for i, size in enumerate(b, pad):
+        if size != 1 and result[i] != size:
+            if result[i] != 1:
+                return torch.broadcast_shapes(a, b)  # raises, naming the shapes
+            result[i] = size
     return torch.Size(result)
 
 
