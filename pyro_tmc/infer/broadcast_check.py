@@ -26,6 +26,7 @@ import torch
 from pyro.infer.util import is_validation_enabled
 from pyro.poutine import Trace
 
+from ..shapes import log_prob_shape
 from ..sites import is_latent
 
 #: Particle counts of the probe, by particle dim from the plates leftwards:
@@ -138,8 +139,11 @@ def _value_batch_shape(site) -> torch.Size:
 
 
 def _density_shape(site) -> List[int]:
-    """The shape of the site's log density: its value's batch shape broadcast with its distribution's."""
-    return list(torch.broadcast_shapes(_value_batch_shape(site), site["fn"].batch_shape))
+    """
+    The shape of the site's log density (:func:`~pyro_tmc.shapes.log_prob_shape`:
+    ``torch.broadcast_shapes`` would import sympy on the first step).
+    """
+    return list(log_prob_shape(site))
 
 
 __all__ = ["BroadcastCheck", "check_particle_sizes", "probe_count", "run_probe"]
