@@ -278,16 +278,18 @@ def site_densities(model_trace: Trace, guide_trace: Trace) -> SiteDensities:
         and not site["kwargs"]
         and not site["infer"].get("_do_not_score")  # a vectorized_markov chain's previous steps
     ]
-    proposals = [
-        proposal_site(site["name"], model_trace, guide_trace) for site in p_sites if not site["is_observed"]
-    ]
-    proposals += [guide_trace.nodes[name] for name in guide_only_sites(model_trace, guide_trace)]
+    latents = [site for site in p_sites if not site["is_observed"]]
+    guide_only = guide_only_sites(model_trace, guide_trace)
     q_sites = []
-    for site in proposals:
-        draw = site["infer"].get("_tmc_draw")
-        if draw is not None and not draw.parent_dims:
-            q_sites.append(site)
-    # apart: a small model has too few of either to group, and then costs nothing here
+    if len(latents) + len(guide_only) >= MIN_GROUP:  # else too few proposals to group: none read
+        proposals = [proposal_site(site["name"], model_trace, guide_trace) for site in latents]
+        proposals += [guide_trace.nodes[name] for name in guide_only]
+        for site in proposals:
+            draw = site["infer"].get("_tmc_draw")
+            if draw is not None and not draw.parent_dims:
+                q_sites.append(site)
+    if len(p_sites) < MIN_GROUP and len(q_sites) < MIN_GROUP:
+        return SiteDensities({}, {})  # a small model: nothing to group, and no work here
     log_p = stacked_log_probs([(site["fn"], site["value"]) for site in p_sites])
     log_q = stacked_log_probs([(site["fn"], site["value"]) for site in q_sites])
     return SiteDensities(
