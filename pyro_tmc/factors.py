@@ -32,7 +32,7 @@ from .batched_densities import SiteDensities, site_densities
 from .checks import log_prob_error, packing_error
 from .contraction import ChunkedFactor, contract_log_factors
 from .evaluation import EvaluationPlan
-from .memory import can_chunk, itemsize, naming_the_largest_factor, naming_the_site
+from .memory import can_chunk, contraction_memory_error, itemsize, naming_the_site, site_memory_error
 from .proposals import proposal_log_prob, proposal_term_rule
 from .scales import ScalePlan, keep_scaled_unit_plates
 from .shapes import broadcast_shape, log_prob_shape
@@ -269,7 +269,7 @@ def compute_log_factors(
     for name, site in model_trace.nodes.items():
         if not is_sample(site) or name in unscored:
             continue
-        with naming_the_site(name, plan.max_factor_bytes):
+        try:  # not a context manager per site: a try costs nothing where nothing fails
             terms = site_log_factors(
                 name,
                 model_trace,
@@ -280,6 +280,11 @@ def compute_log_factors(
                 plan.max_factor_elements,
                 densities,
             )
+        except RuntimeError as error:
+            named = site_memory_error(error, name, plan.max_factor_bytes)
+            if named is None:
+                raise
+            raise named from error
         factors += [_log_factor(name, t, site, scales.plate_scales, densities) for t in terms]
     for name in guide_only_sites(model_trace, guide_trace):
         if name in unscored:
@@ -328,18 +333,27 @@ def _whole(term: Union[torch.Tensor, ChunkedFactor]) -> torch.Tensor:
     return term.materialise() if isinstance(term, ChunkedFactor) else term
 
 
+def _largest_factor_error(error: RuntimeError, factors: List[LogFactor]):
+    """:func:`~pyro_tmc.memory.contraction_memory_error` naming the largest of ``factors``."""
+    sizes = [f.term.numel if isinstance(f.term, ChunkedFactor) else f.term.numel() for f in factors]
+    largest = max(range(len(factors)), key=sizes.__getitem__)
+    return contraction_memory_error(error, factors[largest].site, sizes[largest] * itemsize())
+
+
 def contract_estimate(factors: List[LogFactor], scales: ScalePlan) -> torch.Tensor:
     """log P_TMC: the factors contracted with the draw's plate scales, times its root scale."""
     if not factors:
         return contract_log_factors([], scales.plate_scales)
-    # an allocation failing in the contraction is named after the largest factor
-    sizes = [f.term.numel if isinstance(f.term, ChunkedFactor) else f.term.numel() for f in factors]
-    largest = max(range(len(factors)), key=sizes.__getitem__)
-    with naming_the_largest_factor(factors[largest].site, sizes[largest] * itemsize()):
-        stacks = {id(f.term): (f.term,) + f.stacked for f in factors if f.stacked is not None}
-        terms, plate_scales = [f.term for f in factors], scales.plate_scales
+    stacks = {id(f.term): (f.term,) + f.stacked for f in factors if f.stacked is not None}
+    terms, plate_scales = [f.term for f in factors], scales.plate_scales
+    try:
         if scales.markov_times:  # vectorized_markov time dims: chains, contracted first
             terms = reduce_markov_times([_whole(t) for t in terms], scales.markov_times, plate_scales)
             plate_scales = {s: v for s, v in plate_scales.items() if s not in scales.markov_times}
         estimate = contract_log_factors(terms, plate_scales, stacks)
+    except RuntimeError as error:  # an allocation failing is named after the largest factor
+        named = _largest_factor_error(error, factors)
+        if named is None:
+            raise
+        raise named from error
     return estimate if scales.root == 1.0 else estimate * scales.root

@@ -226,40 +226,46 @@ def factor_memory_error(
     )
 
 
+def site_memory_error(error: RuntimeError, site: str, max_factor_bytes) -> Optional[FactorMemoryError]:
+    """
+    The :class:`FactorMemoryError` naming ``site``, the bytes and ``max_factor_bytes``,
+    where ``error`` is torch's out-of-memory error (CPU or CUDA); ``None`` for any other
+    error. Called from an ``except`` clause, so that the step pays nothing where nothing fails.
+    """
+    needed = allocation_failure_bytes(error)
+    return None if needed is None else factor_memory_error(site, needed, max_factor_bytes)
+
+
 @contextmanager
 def naming_the_site(site: str, max_factor_bytes) -> Iterator[None]:
-    """
-    A context in which torch's out-of-memory error (CPU or CUDA) becomes a
-    :class:`FactorMemoryError` naming ``site``, the bytes and ``max_factor_bytes``.
-    """
+    """A context in which torch's out-of-memory error becomes :func:`site_memory_error`."""
     try:
         yield
     except RuntimeError as error:
-        needed = allocation_failure_bytes(error)
-        if needed is None:
+        named = site_memory_error(error, site, max_factor_bytes)
+        if named is None:
             raise  # not an allocation failure
-        raise factor_memory_error(site, needed, max_factor_bytes) from error
+        raise named from error
 
 
-@contextmanager
-def naming_the_largest_factor(site: str, factor_bytes: int) -> Iterator[None]:
+def contraction_memory_error(
+    error: RuntimeError, site: str, factor_bytes: int
+) -> Optional[FactorMemoryError]:
     """
-    A context in which torch's out-of-memory error becomes a :class:`FactorMemoryError`
-    naming the largest factor: for the contraction, whose intermediates no one site owns.
+    The :class:`FactorMemoryError` naming the largest factor (``site``'s, of
+    ``factor_bytes``), where ``error`` is torch's out-of-memory error raised while
+    contracting, whose intermediates no one site owns; ``None`` for any other error.
     """
-    try:
-        yield
-    except RuntimeError as error:
-        needed = allocation_failure_bytes(error)
-        if needed is None:
-            raise
-        raise FactorMemoryError(
-            f"Contracting the log factors failed to allocate {format_bytes(needed)}; the largest factor "
-            f"is site '{site}''s, {format_bytes(factor_bytes)}. max_factor_bytes ('auto' by default) "
-            "bounds each factor, and slices it along its site's particle dim; what the contraction "
-            "keeps of it (a message over the other latents' particles) is not sliced. Give a smaller "
-            "max_factor_bytes, the sites fewer particles (num_samples), or subsample the plates."
-        ) from error
+    needed = allocation_failure_bytes(error)
+    if needed is None:
+        return None
+    return FactorMemoryError(
+        f"Contracting the log factors failed to allocate {format_bytes(needed)}; the largest factor "
+        f"is site '{site}''s, {format_bytes(factor_bytes)}. max_factor_bytes ('auto' by default) "
+        "bounds each factor, and slices it along its site's particle dim; what the contraction "
+        "keeps of it (a message over the other latents' particles) is not sliced. Give a smaller "
+        "max_factor_bytes, the sites fewer particles (num_samples), or subsample the plates."
+    )
 
 
 def allocation_failure_bytes(error: BaseException) -> Optional[int]:
