@@ -313,8 +313,9 @@ class TMCMessenger(EnumMessenger):
         # recycles dims that a plain loop here does not), which would merge the two.
         # The site's own particle dim keeps its id even with one particle (num_samples=1),
         # where the value does not vary along it: the read-outs name the particles by it.
-        replayed_ids = self._replayed_value_ids(msg)
-        own_id = self._replayed_own_id(msg)
+        replayed = msg["name"] in self.replayed_sites  # (read once: this runs for every site)
+        replayed_ids = self._replayed_value_ids(msg) if replayed else {}
+        own_id = self._replayed_own_id(msg) if replayed else {}
         super()._pyro_post_sample(msg)
         if msg["name"] in self._model_groups:
             check_model_agrees(msg["name"], self._model_groups.pop(msg["name"]), msg, self.groups)
@@ -333,7 +334,7 @@ class TMCMessenger(EnumMessenger):
 
     def _replayed_value_ids(self, msg: Message) -> Dict[int, int]:
         """``dim -> id`` of the dims a replayed site's value varies along, as its own run labelled them."""
-        if msg["name"] not in self.replayed_sites or not isinstance(msg["fn"], TorchDistributionMixin):
+        if not isinstance(msg["fn"], TorchDistributionMixin):
             return {}
         value = msg["value"]
         if not isinstance(value, torch.Tensor):
@@ -344,8 +345,6 @@ class TMCMessenger(EnumMessenger):
 
     def _replayed_own_id(self, msg: Message) -> Dict[int, int]:
         """``{particle dim: id}`` of a replayed site, as its own run labelled it (empty if it has none)."""
-        if msg["name"] not in self.replayed_sites:
-            return {}
         own_dim = msg["infer"].get("_enumerate_dim")
         dim_to_id = msg["infer"].get("_dim_to_id", {})
         return {own_dim: dim_to_id[own_dim]} if own_dim in dim_to_id else {}
