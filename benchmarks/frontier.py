@@ -371,6 +371,28 @@ def hmm_case(length: int, device: str) -> Case:
     return case
 
 
+#: the longest chain whose rolled whole step is also compiled by inductor here (its compile grows with N)
+CHAIN_INDUCTOR_MAX = 100
+
+
+def _add_compiled_tree(case: Case, tree: Callable[[], torch.Tensor], device: str) -> None:
+    """The floor: the hand-written log-depth tree, factors included, compiled by ``torch.compile``."""
+    name = "hand-written log-depth tree (torch.compile)"
+    case.careful.append(name)
+    try:
+        torch._dynamo.reset()
+        step = _backward_step(torch.compile(tree, dynamic=False))
+        _sync(device)
+        start = time.perf_counter()
+        step()  # compiles forward and backward
+        _sync(device)
+        case.compile_seconds[name] = f"{time.perf_counter() - start:.1f}"
+        case.steps[name] = step
+    except Exception as e:  # report and go on
+        reason = " ".join(str(e).split()).replace("|", "/")[:160] or type(e).__name__
+        case.failed[name] = f"compile failed: {type(e).__name__}: {reason}"
+
+
 def chain_case(num_steps: int, num_samples: int, device: str) -> Case:
     N, K = num_steps, num_samples
     case = Case(f"chain N={N} K={K}")
@@ -407,9 +429,21 @@ def chain_case(num_steps: int, num_samples: int, device: str) -> Case:
         x,
         N,
     )
+    if N <= CHAIN_INDUCTOR_MAX:  # the rolled step is small enough for inductor to compile
+        add_captured_step(
+            case,
+            "inductor",
+            device,
+            TMC_ELBO(num_samples=K, max_plate_nesting=0, compile="inductor"),
+            chain_model,
+            chain_guide,
+            x,
+            N,
+        )
     case.steps["hand-written sequential"] = _backward_step(sequential)
     case.steps["hand-written log-depth tree"] = _backward_step(tree)
     case.careful += ["hand-written sequential", "hand-written log-depth tree"]
+    _add_compiled_tree(case, tree, device)
 
     # the two hand-written contractions on the same particles: same value and gradient
     f1, F, g = chain_log_factors(x, loc, log_scale, K)
@@ -503,6 +537,9 @@ def main(argv=None) -> None:
     parser.add_argument("--skip-long", action="store_true", help="leave out the N=1000 chain")
     parser.add_argument("--no-compile", action="store_true", help="leave out torch.compile")
     parser.add_argument("--out", default=None, help="also write the table (markdown) to this path")
+    parser.add_argument(
+        "--only", default=None, help="comma-separated cases to run: toy, chain, overhead, hmm (default: all)"
+    )
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available")
@@ -543,10 +580,15 @@ def main(argv=None) -> None:
     print("\n".join(header + [""] + table), flush=True)
 
     notes: List[str] = []
-    cases = [lambda n=n, k=k: toy_case(n, k, args.device, compiled=not args.no_compile) for n, k in toy_sizes]
-    cases += [lambda n=n: chain_case(n, chain_k, args.device) for n in chain_sizes]
-    cases += [lambda: toy_case(overhead[0], overhead[1], args.device, compiled=not args.no_compile)]
-    cases += [lambda n=n: hmm_case(n, args.device) for n in hmm_lengths]
+    compiled = not args.no_compile
+    cases = {
+        "toy": [lambda n=n, k=k: toy_case(n, k, args.device, compiled) for n, k in toy_sizes],
+        "chain": [lambda n=n: chain_case(n, chain_k, args.device) for n in chain_sizes],
+        "overhead": [lambda: toy_case(overhead[0], overhead[1], args.device, compiled)],
+        "hmm": [lambda n=n: hmm_case(n, args.device) for n in hmm_lengths],
+    }
+    kinds = args.only.split(",") if args.only else list(cases)
+    cases = [make for kind in kinds for make in cases[kind]]
     try:
         for make in cases:
             case = make()
