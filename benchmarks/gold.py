@@ -81,6 +81,10 @@ from pyro.infer.autoguide import (
 from pyro_tmc import IWAE_ELBO, QEM, TMC_ELBO, TMC_RWS, QEMGuide
 from pyro_tmc.infer import posterior_moments
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gold_chain  # noqa: E402  (beside this file: the chain models' fast forms)
+from gold_chain import persistence_prior  # noqa: E402
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 MISSING_GYM = (
     "benchmarks/gold.py reads Inference Gym's data and gold moments, which are not installed.\n"
@@ -144,16 +148,6 @@ def eight_schools_model(effects, stddevs):
         pyro.sample("treatment_effects", dist.Normal(school_effects, stddevs), obs=effects)
 
 
-class PersistencePrior(dist.TransformedDistribution):
-    """``2 Beta(20, 1.5) - 1``, with its support (-1, 1) declared: an affine map's own is the real line."""
-
-    support = constraints.interval(-1.0, 1.0)
-
-
-def persistence_prior() -> PersistencePrior:
-    return PersistencePrior(dist.Beta(20.0, 1.5), [dist.transforms.AffineTransform(-1.0, 2.0)])
-
-
 def stochastic_volatility_model(returns):
     """
     The gym's centered AR(1) log volatility: ``x[0] ~ Normal(mu, sigma / sqrt(1 - phi^2))``,
@@ -204,6 +198,7 @@ class Problem(NamedTuple):
     init: Dict[
         str, float
     ] = {}  # data-informed starting values (else 0 unconstrained, Pyro's init_to_feasible)
+    fast_chain: bool = False  # tmc and nuts run gold_chain.py's forms of the model (stochastic volatility)
 
     def init_loc_fn(self, site: dict) -> torch.Tensor:
         """
@@ -267,7 +262,7 @@ def stochastic_volatility_problem(num_days: int = 100) -> Problem:
         "white_noise_shock_scale": 0.5,
     }
     init.update(dict.fromkeys(chain, log_variance))
-    return Problem(stochastic_volatility_model, (returns,), 0, gold, sites, chain, init)
+    return Problem(stochastic_volatility_model, (returns,), 0, gold, sites, chain, init, fast_chain=True)
 
 
 def item_response_theory_problem() -> Problem:
@@ -313,6 +308,11 @@ class Settings(NamedTuple):
     nuts_warmup: int
     nuts_samples: int
     qem_lr: float = 0.1
+    # the chain models' fast forms (gold_chain.py): the globals' read-out K (None: read_k), a factor
+    # on their trained scales in the read-out, and how the read-out's draws are pooled
+    global_k: Optional[int] = None
+    widen: float = 1.0
+    weighting: str = "evidence"
 
 
 SETTINGS = {
@@ -320,8 +320,9 @@ SETTINGS = {
     "brownian_motion_unknown_scales": Settings(800, 0.03, 16, 64, 60, 1500, 200, 300),
     "eight_schools": Settings(1000, 0.03, 64, 256, 20, 1500, 200, 300),
     # every link of the chain carries the three globals' particle dims too: K^5 per link
-    "stochastic_volatility_small": Settings(800, 0.03, 4, 12, 20, 1000, 100, 100),
-    "stochastic_volatility": Settings(300, 0.03, 4, 8, 10, 1000, 50, 50),
+    # tmc and nuts run gold_chain.py's forms here: the globals one particle group, so a link is K^3
+    "stochastic_volatility_small": Settings(300, 0.03, 8, 16, 40, 1000, 100, 100, global_k=64, widen=1.5),
+    "stochastic_volatility": Settings(200, 0.1, 8, 16, 40, 1000, 150, 1000, weighting="uniform"),
     "item_response_theory": Settings(100, 0.03, 4, 16, 10, 1000, 100, 100),
 }
 #: ``--quick``: a smoke run, seconds per (model, method)
@@ -483,6 +484,41 @@ def run_autoguide(problem: Problem, settings: Settings, progress, guide_class, *
     return samples_to_gym(problem, samples), "4000 guide draws"
 
 
+#: TMC read-out draws and NUTS post-warm-up draws at which the chain forms log their error (--timeline)
+CHECKPOINTS = (5, 10, 20, 40, 80, 160, 320, 640)
+
+
+def run_chain_tmc(problem: Problem, settings: Settings, progress, timeline: Optional[str] = None):
+    """``tmc`` on a ``fast_chain`` problem: :func:`gold_chain.run_tmc` (``vectorized_markov``)."""
+    estimate, rows = gold_chain.run_tmc(
+        problem,
+        settings,
+        CHECKPOINTS,
+        score=lambda estimate: errors(problem, estimate),
+        to_gym=lambda sites: site_moments_to_gym(problem, sites),
+        path=timeline,
+        progress=progress,
+    )
+    (last,) = [
+        row for row in rows if row["draws"] == settings.draws and row["weighting"] == settings.weighting
+    ]
+    return (
+        estimate,
+        f"{settings.weighting} weights, eff. draws {last['effective_draws']:.1f}; vectorized_markov",
+    )
+
+
+def run_chain_nuts(problem: Problem, settings: Settings, progress, timeline: Optional[str] = None):
+    """``nuts`` on a ``fast_chain`` problem: :func:`gold_chain.run_nuts` (the log volatilities one site)."""
+    warmup, draws = settings.nuts_warmup, settings.nuts_samples
+    score = lambda estimate: errors(problem, estimate)  # noqa: E731
+    estimate, _ = gold_chain.run_nuts(problem, warmup, draws, CHECKPOINTS, score, path=timeline)
+    return estimate, f"{warmup}+{draws} draws; one vector site"
+
+
+#: the methods that run a ``fast_chain`` problem's own forms of its model
+CHAIN_METHODS = {"tmc": run_chain_tmc, "nuts": run_chain_nuts}
+
 METHODS = {
     "tmc": run_tmc,
     "tmc_rws": lambda p, s, g: run_tmc(p, s, g, loss=TMC_RWS),
@@ -535,14 +571,26 @@ def progress_bar(description: str):
     return lambda iterable: tqdm(iterable, desc=description, leave=False, mininterval=2.0)
 
 
-def run(model: str, method: str, quick: bool, seed: int = 0, progress=_silent) -> Dict:
-    """Train and read one (model, method); returns its metrics, time and settings."""
+def run(
+    model: str, method: str, quick: bool, seed: int = 0, progress=_silent, timeline: Optional[str] = None
+) -> Dict:
+    """
+    Train and read one (model, method); returns its metrics, time and settings.
+
+    :param str timeline: a JSON-lines file that the chain forms (:data:`CHAIN_METHODS`) append their
+        error at each of :data:`CHECKPOINTS` to: error against time from one run.
+    """
     problem = PROBLEMS[model]()
     settings = (QUICK if quick else SETTINGS)[model]
     pyro.clear_param_store()
     pyro.set_rng_seed(seed)
-    start = time.perf_counter()
-    estimate, note = METHODS[method](problem, settings, progress)
+    start, cpu_start = time.perf_counter(), time.process_time()
+    if problem.fast_chain and method in CHAIN_METHODS:
+        estimate, note = CHAIN_METHODS[method](problem, settings, progress, timeline)
+        # on a shared machine the process's CPU time is the steadier figure (1 thread: at most the wall)
+        note += f"; CPU {time.process_time() - cpu_start:.0f} s"
+    else:
+        estimate, note = METHODS[method](problem, settings, progress)
     seconds = time.perf_counter() - start
     row = dict(errors(problem, estimate), model=model, method=method, seconds=seconds, note=note)
     row["setup"] = describe(method, settings)
@@ -564,7 +612,10 @@ def describe(method: str, settings: Settings) -> str:
     if method.startswith("auto"):
         return f"{settings.svi_steps} steps"
     lr = f", lr {settings.qem_lr}" if method == "qem" else ""
-    return f"{settings.steps} steps, K {settings.train_k}{lr}; read K {settings.read_k} x {settings.draws}"
+    read = f"read K {settings.read_k} x {settings.draws}"
+    if settings.global_k or settings.widen != 1.0:
+        read += f" (globals K {settings.global_k or settings.read_k}, x{settings.widen} wide)"
+    return f"{settings.steps} steps, K {settings.train_k}{lr}; {read}"
 
 
 COLUMNS = (
@@ -668,6 +719,7 @@ def main(argv=None) -> List[Dict]:
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--plot-only", action="store_true", help="redraw --figure from the table at --out")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the targets are stated for 1)")
+    parser.add_argument("--timeline", help="JSON lines: the chain forms' error at each checkpoint, appended")
     args = parser.parse_args(argv)
     if args.plot_only:
         plot(read_table(args.out), args.figure)
@@ -680,7 +732,7 @@ def main(argv=None) -> List[Dict]:
         for method in args.methods:
             progress = _silent if args.no_progress else progress_bar(f"{model} {method}")
             try:
-                row = run(model, method, args.quick, args.seed, progress)
+                row = run(model, method, args.quick, args.seed, progress, args.timeline)
             except (RuntimeError, ValueError, NotImplementedError, MemoryError) as error:
                 # a method that cannot run a model gets a row saying why; the others still run
                 row = failed_row(model, method, args.quick, error)

@@ -8,6 +8,7 @@ trained guide lands near the gold. Measured at the quick settings (150 steps at 
 """
 
 import importlib.util
+import itertools
 import math
 import sys
 from pathlib import Path
@@ -62,3 +63,76 @@ def test_missing_gym_exits_with_the_install_line(monkeypatch):
         monkeypatch.setitem(sys.modules, name, None)  # every import of it fails, as if not installed
     with pytest.raises(SystemExit, match="pip install --no-deps inference-gym"):
         benchmark.gym_module("version")
+
+
+def _per_day_log_density(problem, values):
+    """log p(values, returns) of the per-day (pyro.markov) model, the gym's definition as written."""
+    conditioned = pyro.poutine.condition(problem.model, data=values)
+    return pyro.poutine.trace(conditioned).get_trace(*problem.args).log_prob_sum()
+
+
+def test_chain_forms_score_the_per_day_density(fresh_pyro):
+    """
+    gold_chain.py's two fast forms of stochastic volatility have the per-day model's density, exactly:
+    the NUTS form at any values, and the vectorized_markov form through its TMC estimate on 3 days at
+    K = 2, against the brute-force sum over all 2 (grouped globals) x 2^3 (days) particle combinations.
+    """
+    pytest.importorskip("inference_gym.targets.ground_truth.stochastic_volatility_sp500_small")
+    benchmark = _load()
+    chain = benchmark.gold_chain
+    torch.set_default_dtype(torch.float64)
+    try:
+        problem = benchmark.stochastic_volatility_problem(100)
+        returns = problem.args[0][-3:].double()
+        problem = problem._replace(args=(returns,))
+        init = {name: problem.init[name] for name in chain.GLOBALS}
+        init[chain.CHAIN] = problem.init["log_volatility_0"]
+        guide = chain.ChainGuide(init, len(returns), init_scale=0.3)
+        pyro.set_rng_seed(0)
+        draw = benchmark.TMC_ELBO(num_samples=2, max_plate_nesting=1).draw(
+            chain.vectorized_model, guide, returns
+        )
+        nodes = draw.guide_trace.nodes
+        # particles (K, days): day 0's, then the later days' (the guide's time dim is the last)
+        later = nodes[f"log_volatility_{slice(1, 3)}"]["value"].reshape(2, 2)
+        days = torch.cat([nodes["log_volatility_0"]["value"].reshape(2, 1), later], 1)
+        log_q_days = torch.cat(
+            [
+                nodes["log_volatility_0"]["fn"].log_prob(nodes["log_volatility_0"]["value"]).reshape(2, 1),
+                nodes[f"log_volatility_{slice(1, 3)}"]["fn"]
+                .log_prob(nodes[f"log_volatility_{slice(1, 3)}"]["value"])
+                .reshape(2, 2),
+            ],
+            1,
+        )
+        terms = []
+        for g, path in itertools.product(range(2), itertools.product(range(2), repeat=3)):
+            values = {name: nodes[name]["value"].reshape(-1)[g] for name in chain.GLOBALS}
+            values.update({f"log_volatility_{t}": days[k, t] for t, k in enumerate(path)})
+            log_q = sum(
+                nodes[name]["fn"].log_prob(nodes[name]["value"]).reshape(-1)[g] for name in chain.GLOBALS
+            )
+            log_q = log_q + sum(log_q_days[k, t] for t, k in enumerate(path))
+            terms.append(_per_day_log_density(problem, values) - log_q)
+            if g == 0 and path == (0, 1, 1):  # the NUTS form, at one of these values
+                nuts_values = {name: values[name] for name in chain.GLOBALS}
+                nuts_values[chain.CHAIN] = torch.stack([days[k, t] for t, k in enumerate(path)])
+                conditioned = pyro.poutine.condition(chain.nuts_model, data=nuts_values)
+                nuts_density = pyro.poutine.trace(conditioned).get_trace(returns).log_prob_sum()
+                assert torch.allclose(nuts_density, terms[-1] + log_q, rtol=1e-12, atol=1e-8)
+        expected = torch.stack(terms).logsumexp(0) - math.log(2**4)  # one -log K for the group, one per day
+        assert torch.allclose(draw.log_estimate().reshape(()), expected, rtol=1e-10, atol=1e-8)
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_quick_chain_tmc_runs_on_the_short_series(fresh_pyro, tmp_path):
+    """The fast TMC form (vectorized_markov, grouped globals) runs end to end and logs its timeline."""
+    pytest.importorskip("inference_gym.targets.ground_truth.stochastic_volatility_sp500_small")
+    benchmark = _load()
+    timeline = tmp_path / "timeline.jsonl"
+    argv = ["--quick", "--models", "stochastic_volatility_small", "--methods", "tmc", "--no-progress"]
+    argv += ["--out", str(tmp_path / "gold.md"), "--figure", "", "--timeline", str(timeline)]
+    (row,) = benchmark.main(argv + ["--threads", str(torch.get_num_threads())])
+    assert math.isfinite(row["mean_error"]) and "vectorized_markov" in row["note"], row
+    assert len(timeline.read_text().splitlines()) >= 2
