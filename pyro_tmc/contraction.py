@@ -397,7 +397,9 @@ def contract_log_factors(
     if _is_one_global_sum(tensors, sum_dims, plates):
         return _contract_one_global_sum(tensors, sum_dims, plate_scales)
     # chains first: their links and the unary factors of their inner dims go into one tree
-    tensors = fuse_factors(reduce_chains(tensors, plates, stacks), plates)
+    if len(sum_dims) > MIN_CHAIN_LENGTH:  # else too few dims for a chain's links: skip the search
+        tensors = reduce_chains(tensors, plates, stacks)
+    tensors = fuse_factors(tensors, plates)
     sum_dims = set("".join(t._pyro_dims for t in tensors)) - plates
     return _contract(tensors, plate_scales, sum_dims)
 
