@@ -13,6 +13,7 @@ import math
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -63,6 +64,38 @@ def test_missing_gym_exits_with_the_install_line(monkeypatch):
         monkeypatch.setitem(sys.modules, name, None)  # every import of it fails, as if not installed
     with pytest.raises(SystemExit, match="pip install --no-deps inference-gym"):
         benchmark.gym_module("version")
+
+
+def test_exact_unknown_scales_moments_condition_the_gaussian(fresh_pyro):
+    """
+    brownian_motion_exact_moments: on a one-point grid it is the Gaussian conditional of the locs
+    given the observations (joint covariance, conditioned directly); on the default grid it does not
+    move when the grid is refined, and it differs from the gym's gold by the figures BENCHMARKS.md gives.
+    """
+    pytest.importorskip("inference_gym.targets.ground_truth.brownian_motion_missing_middle_observations")
+    benchmark = _load()
+    problem = benchmark.brownian_motion_problem(unknown_scales=True)
+    observed = problem.args[0]
+    innovation, observation = 0.07, 0.2
+    moments = benchmark.brownian_motion_exact_moments(observed, (np.log([innovation]), np.log([observation])))
+    steps = np.arange(1, len(observed) + 1)
+    locs_cov = innovation**2 * np.minimum.outer(steps, steps).astype(np.float64)
+    seen = ~np.isnan(observed.double().numpy())
+    observed_cov = locs_cov[np.ix_(seen, seen)] + observation**2 * np.eye(seen.sum())
+    gain = locs_cov[:, seen] @ np.linalg.inv(observed_cov)
+    expected_mean = gain @ observed.double().numpy()[seen]
+    expected_sd = np.sqrt(np.diag(locs_cov - gain @ locs_cov[seen, :]))
+    np.testing.assert_allclose(moments["locs"][0], expected_mean, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(moments["locs"][1], expected_sd, rtol=1e-9)
+    np.testing.assert_allclose(moments["innovation_noise_scale"][0], [innovation])
+
+    exact = benchmark.brownian_motion_exact_moments(observed)
+    finer = benchmark.brownian_motion_exact_moments(observed, (np.linspace(-12.0, 2.0, 400),) * 2)
+    for param in exact:
+        np.testing.assert_allclose(exact[param][0], finer[param][0], rtol=1e-6)
+        np.testing.assert_allclose(exact[param][1], finer[param][1], rtol=1e-6)
+    gap = benchmark.errors(problem, exact)  # the exact posterior read as an estimate, against the gold
+    assert 0.05 < gap["mean_error"] < 0.07 and 0.25 < gap["mean_error_worst"] < 0.27, gap
 
 
 def _per_day_log_density(problem, values):
