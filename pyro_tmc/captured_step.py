@@ -261,7 +261,11 @@ def capture_step(
         args, kwargs = rebuild(list(inputs[len(params) :]))
         recorder = StructureRecorder()
         with param_store_holding(dict(zip(param_names, leaves))), _ModulesHolding(holders, leaves):
-            with pyro.validation_enabled(False), deferred_underflow_checks() as flags, recorder:
+            with (
+                pyro.validation_enabled(False),
+                deferred_underflow_checks(repair_in_graph=True) as flags,
+                recorder,
+            ):
                 loss = differentiable_loss(*args, **kwargs)
                 underflow = any_flag(flags, loss)
             grads = torch.autograd.grad(loss, leaves, allow_unused=True) if leaves else ()

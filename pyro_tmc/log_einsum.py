@@ -27,8 +27,9 @@ of bounded memory. Entries whose operands hold no finite maximum are ``-inf``
 and are left alone. While tracing a graph (:func:`deferred_underflow_checks`),
 where no branch on values can run, each product records a flag instead, and the
 caller recomputes eagerly when one is set. A matrix product in a graph
-(:func:`log_matmul_exp`, a chain's links) is computed in float64 there, so that a
-stiff chain's flag is rare: its steps are not each redone eagerly.
+(:func:`log_matmul_exp`, a chain's links) is repaired in the graph instead: taken
+in float64, and where even that underflows, by max-plus through ``torch.cond``, so
+a stiff chain's captured steps are not each redone eagerly.
 
 Reference: the max-plus (tropical) product as the exact shift, e.g. Rush,
 "Torch-Struct: Deep Structured Prediction Library", ACL 2020 (its log semiring).
@@ -39,7 +40,7 @@ import functools
 import math
 import operator
 from contextlib import contextmanager
-from typing import Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -48,9 +49,19 @@ from pyro.ops.einsum.util import Tensordot
 #: the most elements an exact recomputation holds at once (terms of the entries of one chunk)
 EXACT_CHUNK_ELEMENTS = 2**22
 
+#: the most terms a graph's exact repair of a whole matrix product holds at once (Fig. 4's
+#: 1,000-link chain at K=32: 2**24 at the tree's first level)
+GRAPH_REPAIR_ELEMENTS = 2**25
+
 #: while a graph is traced: the list that collects each product's "underflow happened" flag
 _DEFERRED_FLAGS: contextvars.ContextVar[Optional[List[torch.Tensor]]] = contextvars.ContextVar(
     "pyro_tmc_deferred_underflow_flags", default=None
+)
+
+
+#: while a whole step is traced: whether a matrix product repairs itself in the graph
+_REPAIR_IN_GRAPH: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "pyro_tmc_repair_in_graph", default=False
 )
 
 
@@ -82,19 +93,26 @@ def underflow_floor(dtype: torch.dtype, num_terms: int) -> float:
 
 
 @contextmanager
-def deferred_underflow_checks() -> Iterator[List[torch.Tensor]]:
+def deferred_underflow_checks(repair_in_graph: bool = False) -> Iterator[List[torch.Tensor]]:
     """
     Within this context (a graph being traced, where no branch on tensor values
     can run) no product is repaired: each appends a boolean scalar tensor, set
     where one of its entries underflowed, to the list yielded, and returns its
     fast value. The caller must recompute outside the context where any flag is
     set (:func:`any_flag`).
+
+    :param bool repair_in_graph: whether a matrix product (:func:`log_matmul_exp`)
+        repairs itself in the graph, through ``torch.cond``, instead of flagging.
+        Only for a graph whose backward is traced too: ``torch.cond``'s gradient is
+        a custom ``autograd.Function``, which an estimate-only graph would drop.
     """
     flags: List[torch.Tensor] = []
     token = _DEFERRED_FLAGS.set(flags)
+    repair_token = _REPAIR_IN_GRAPH.set(repair_in_graph)
     try:
         yield flags
     finally:
+        _REPAIR_IN_GRAPH.reset(repair_token)
         _DEFERRED_FLAGS.reset(token)
 
 
@@ -268,6 +286,46 @@ def _exact_matmul_entries(x: torch.Tensor, y: torch.Tensor, index: torch.Tensor)
     return safe_logsumexp(rows + columns, [-1])
 
 
+def _graph_log_matmul_exp(
+    x: torch.Tensor, y: torch.Tensor, x_shift: torch.Tensor, y_shift: torch.Tensor, live: torch.Tensor
+) -> torch.Tensor:
+    """
+    :func:`log_matmul_exp` in a traced graph, which cannot repair entries on demand.
+    The product is taken in float64, whose range holds most chains' spreads; where an
+    entry still underflows (a stiff chain early in training: Fig. 4 of the paper), the
+    graph's ``torch.cond`` takes the exact max-plus product of the whole batch
+    instead (up to :data:`GRAPH_REPAIR_ELEMENTS` terms; a larger product is flagged).
+    So a captured step needs no eager redo for its chain.
+    """
+    wide_x, wide_y = x_shift.double(), y_shift.double()
+    shifted_sum = torch.matmul((x.double() - wide_x).exp(), (y.double() - wide_y).exp())
+    low = shifted_sum < underflow_floor(torch.float64, x.size(-1))
+    fast = _plus(safe_log(shifted_sum), [wide_x, wide_y])
+    terms = shifted_sum.numel() * x.size(-1)
+    if terms > GRAPH_REPAIR_ELEMENTS:  # too large to hold every term at once: flag, as an estimate does
+        _DEFERRED_FLAGS.get().append((low & live).any())
+        return fast.to(x.dtype)
+    # torch.ops.higher_order.cond, not torch.cond: the latter traces its branches with
+    # dynamo, whose dynamic shapes fail here; the operator itself traces them with make_fx
+    (value,) = torch.ops.higher_order.cond(
+        (low & live).any(),
+        _exact_branch,
+        _fast_branch,
+        # cond refuses operands that alias (slices of one stack), and gradients laid out unlike
+        tuple(t.clone(memory_format=torch.contiguous_format) for t in (x, y, fast.to(x.dtype))),
+    )
+    return value
+
+
+def _exact_branch(x: torch.Tensor, y: torch.Tensor, fast: torch.Tensor) -> Tuple[torch.Tensor]:
+    """The max-plus product of every entry: exact, never underflows (``K^3`` terms per matrix pair)."""
+    return (safe_logsumexp(x.unsqueeze(-1) + y.unsqueeze(-3), [-2]).contiguous(),)
+
+
+def _fast_branch(x: torch.Tensor, y: torch.Tensor, fast: torch.Tensor) -> Tuple[torch.Tensor]:
+    return (fast.clone(),)
+
+
 def log_matmul_exp(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """
     ``log(exp(x) @ exp(y))`` for matrix batches: rows of x, columns of y shifted
@@ -277,14 +335,8 @@ def log_matmul_exp(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     x_shift = x.detach().amax(-1, keepdim=True).clamp(min=floor)
     y_shift = y.detach().amax(-2, keepdim=True).clamp(min=floor)
     live = lambda: (x_shift > floor) & (y_shift > floor)  # noqa: E731 (finite maxima: not clamped)
-    if checks_deferred() and x.dtype != torch.float64:
-        # A graph cannot repair entries on demand, and a stiff chain underflows float32 at
-        # most steps (Fig. 4 of the paper): the graph keeps the float64 product, whose range
-        # holds the spreads seen in practice. Only an entry below float64's floor is flagged.
-        x_wide, y_wide = x.double(), y.double()
-        x_shift, y_shift = x_shift.double(), y_shift.double()
-        shifted_sum = torch.matmul((x_wide - x_shift).exp(), (y_wide - y_shift).exp())
-        return _log_plus_shifts(shifted_sum, [x_shift, y_shift], live, None, None, x.size(-1)).to(x.dtype)
+    if checks_deferred() and _REPAIR_IN_GRAPH.get():
+        return _graph_log_matmul_exp(x, y, x_shift, y_shift, live())
     shifted_sum = torch.matmul((x - x_shift).exp(), (y - y_shift).exp())
     wide_sum = lambda: torch.matmul(  # noqa: E731 (the same product in float64)
         (x.double() - x_shift.double()).exp(), (y.double() - y_shift.double()).exp()

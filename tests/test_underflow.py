@@ -195,20 +195,36 @@ def test_deferred_checks_flag_instead_of_repairing():
         assert bool(any_flag(flags, x)) == underflows
 
 
-def test_deferred_matrix_product_keeps_float64():
+def test_deferred_matrix_product_is_repaired_in_the_graph():
     """
-    In a graph, a chain's matrix product is computed in float64: exact where float32
-    underflowed (spreads of 1,000 nats), flagged only past float64's range (10,000).
+    In a graph, a chain's matrix product is exact with no flag: float64 where float32
+    underflowed (spreads of 1,000 nats), max-plus where float64 does too (10,000), in
+    value and gradient, traced and replayed.
     """
+    from torch.fx.experimental.proxy_tensor import make_fx
+
     generator = torch.Generator().manual_seed(6)
     x, y = spread((6, 7), generator), spread((5, 7), generator).T
-    with deferred_underflow_checks() as flags:
-        value = log_matmul_exp(x, y)
-    assert not bool(any_flag(flags, x)) and value.dtype == torch.float32
-    assert torch.allclose(value.double(), brute_einsum("ij,jk->ik", x.double(), y.double()), rtol=1e-6)
-    with deferred_underflow_checks() as flags:
-        log_matmul_exp(10.0 * x, 10.0 * y)
-    assert bool(any_flag(flags, x))
+
+    def product_and_grad(a, b):
+        a = torch.nn.Parameter(a)
+        with deferred_underflow_checks(repair_in_graph=True) as flags:
+            value = log_matmul_exp(a, b)
+        assert not flags
+        return value.detach(), torch.autograd.grad(value.logsumexp((0, 1)), [a])[0]
+
+    for scale in (1.0, 10.0):
+        a, b = scale * x, scale * y
+        expected = brute_einsum("ij,jk->ik", a.double(), b.double())
+        reference = a.double().requires_grad_()
+        (expected_grad,) = torch.autograd.grad(
+            brute_einsum("ij,jk->ik", reference, b.double()).logsumexp((0, 1)), [reference]
+        )
+        graph = make_fx(product_and_grad, tracing_mode="fake")(a, b)
+        for value, grad in (product_and_grad(a, b), graph(a, b)):
+            assert value.dtype == torch.float32
+            assert torch.allclose(value.double(), expected, rtol=1e-6)
+            assert torch.allclose(grad.double(), expected_grad, atol=1e-5)
 
 
 def test_float64_wide_spread():
