@@ -336,7 +336,7 @@ SETTINGS = {
     "stochastic_volatility_small": Settings(300, 0.03, 8, 16, 40, 1000, 100, 100, global_k=64, widen=1.5),
     "stochastic_volatility": Settings(200, 0.1, 8, 16, 40, 1000, 150, 1000, weighting="uniform"),
     # the globals as one vector: a settled low-rank proposal, IRT_GLOBAL_K of it (run_tmc_item_response)
-    "item_response_theory": Settings(1500, 0.05, 8, 32, 80, 1000, 100, 100),
+    "item_response_theory": Settings(1500, 0.05, 8, 64, 80, 1000, 100, 100),
 }
 #: ``--quick``: a smoke run, seconds per (model, method)
 QUICK = {

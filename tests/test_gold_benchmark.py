@@ -98,6 +98,22 @@ def test_exact_unknown_scales_moments_condition_the_gaussian(fresh_pyro):
     assert 0.05 < gap["mean_error"] < 0.07 and 0.25 < gap["mean_error_worst"] < 0.27, gap
 
 
+def test_quick_tailored_tmc_recipes_run(fresh_pyro, tmp_path):
+    """
+    The two tailored ``tmc`` recipes run end to end at the quick settings: the unknown-scales one
+    notes its error against the exact posterior, the item-response one reads 64 particles of the
+    globals (one low-rank Normal, unpacked by Delta sites) with the abilities in their plate.
+    """
+    pytest.importorskip("inference_gym.targets.ground_truth.synthetic_item_response_theory")
+    benchmark = _load()
+    argv = ["--quick", "--models", "brownian_motion_unknown_scales", "item_response_theory"]
+    argv += ["--methods", "tmc", "--no-progress", "--out", str(tmp_path / "gold.md"), "--figure", ""]
+    scales, item_response = benchmark.main(argv + ["--threads", str(torch.get_num_threads())])
+    for row in (scales, item_response):
+        assert math.isfinite(row["mean_error"]) and math.isfinite(row["sd_error_worst"]), row
+    assert "vs exact" in scales["note"] and "joint globals" in item_response["note"]
+
+
 def _per_day_log_density(problem, values):
     """log p(values, returns) of the per-day (pyro.markov) model, the gym's definition as written."""
     conditioned = pyro.poutine.condition(problem.model, data=values)
