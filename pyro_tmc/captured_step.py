@@ -231,6 +231,8 @@ class CapturedStep:
     #: replays, and those redone eagerly because a product underflowed
     attempts: int = 0
     redone: int = 0
+    #: the (rolled) graph that inductor compiled: replayed instead if compiling fails
+    uncompiled: Optional[Callable] = None
 
 
 def _spec(tensor: torch.Tensor) -> tuple:
@@ -437,6 +439,7 @@ class StepProgram:
         if self.mode == "inductor" and not self._too_large(program):
             options = {"dynamic": False, **self.options}
             captured.program = keeping_validation_default(torch.compile(program, **options))
+            captured.uncompiled = program
             captured.eager_seconds = None  # compiled: not timed against eager
         self._steps[key] = captured
         return loss
@@ -482,7 +485,21 @@ class StepProgram:
             return eager_step(args, kwargs)
         rng_state = _rng_state(params + arguments)
         start = time.perf_counter()
-        loss, underflow, *grads = captured.program(*params, *arguments)
+        try:
+            loss, underflow, *grads = captured.program(*params, *arguments)
+        except Exception as error:  # inductor compiles at the first replay: it may fail there
+            if captured.uncompiled is None:
+                raise
+            reason = " ".join(str(error).split())[:300]
+            warnings.warn(
+                f"pyro_tmc: inductor could not compile the captured step ({reason}); it is replayed "
+                "uncompiled instead (same values).",
+                RuntimeWarning,
+                stacklevel=5,
+            )
+            captured.program, captured.uncompiled = captured.uncompiled, None
+            _set_rng_state(rng_state)
+            loss, underflow, *grads = captured.program(*params, *arguments)
         captured.attempts += 1
         if bool(underflow) or not torch.isfinite(loss):
             _set_rng_state(rng_state)  # the same draw, eagerly: products repaired, a bad site named

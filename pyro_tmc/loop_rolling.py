@@ -416,10 +416,18 @@ class RolledStep:
             joined = self._joined_from_groups(node)
             if joined is not None:
                 return joined
-        args, kwargs = tree_map(
-            lambda a: self._get(a) if isinstance(a, Node) else a, (node.args, node.kwargs)
-        )
+        get = self._get
+        if isinstance(node.target, torch._ops.HigherOrderOperator):  # (cond) refuses aliased operands
+            get = self._get_unaliased
+        args, kwargs = tree_map(lambda a: get(a) if isinstance(a, Node) else a, (node.args, node.kwargs))
         return node.target(*args, **kwargs)
+
+    def _get_unaliased(self, node: Node) -> Any:
+        """A node's value; a copy where it is a view into its group's batched output."""
+        value = self._get(node)
+        if node in self.place and isinstance(value, torch.Tensor):
+            return value.clone(memory_format=torch.contiguous_format)
+        return value
 
     def _stacked_from_group(self, sources: Sequence[Node]) -> Optional[torch.Tensor]:
         """

@@ -387,3 +387,24 @@ def test_a_stiff_chain_is_repaired_inside_the_graph():
     _assert_same(
         *_replay_and_eager(make_loss, stiff_chain_model, chain_guide, (torch.tensor(0.7), 40)), rtol=1e-4
     )
+
+
+def test_a_failed_inductor_compile_replays_uncompiled(monkeypatch):
+    """Inductor compiles at the first replay; if that fails, the step warns and replays the graph."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+
+    def failing_compile(program, **options):
+        def run(*inputs):
+            raise RuntimeError("inductor refused")
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", failing_compile)
+    x = torch.randn(6)
+    loss = TMC_ELBO(num_samples=4, max_plate_nesting=1, compile="inductor")
+    with pytest.warns(RuntimeWarning, match="inductor refused"):
+        values = [loss.loss_and_grads(toy_model, toy_guide, x) for _ in range(4)]
+    captured = next(iter(loss.step_program._steps.values()))
+    assert captured.program is captured.graph and loss.step_program.replays == 2
+    assert all(math.isfinite(v) for v in values)
