@@ -402,8 +402,8 @@ def _chain_product(inside, outside, time: MarkovTime, plates: frozenset, plate_s
         links = sum(packed_view(f, order) for f in inside)
         links = links.expand(shape)
     lead = shape[: len(batch_plates) + len(batch) + 1]
-    num_from = math.prod(sizes[d] for d in state_from)
-    num_to = math.prod(sizes[d] for d in state_to)
+    num_from = math.prod(sizes.get(d, 1) for d in state_from)  # K=1: a dim no factor holds
+    num_to = math.prod(sizes.get(d, 1) for d in state_to)
     if num_from != num_to:
         raise ValueError(
             f"Site '{time.sites[0]}': the first step has {num_from} particle combinations and each "

@@ -114,6 +114,15 @@ def test_estimate_equals_brute_force(float64):
     assert torch.allclose(draw.log_estimate(), expected, rtol=0, atol=1e-10)
 
 
+def test_one_particle_equals_brute_force(float64):
+    """K=1: the chain's particle dims have size 1, which no factor holds (once a KeyError)."""
+    pyro.set_rng_seed(0)
+    draw = TMC_ELBO(num_samples=1, max_plate_nesting=1).draw(model, guide, X)
+    z = particles_of(draw)
+    log_q = dist.Normal(GUIDE_LOC, GUIDE_SCALE).log_prob(z)
+    assert torch.allclose(draw.log_estimate(), brute_force(z, X, log_q), rtol=0, atol=1e-10)
+
+
 def test_previous_steps_are_the_particles_of_the_step_before(float64):
     pyro.set_rng_seed(1)
     draw = TMC_ELBO(num_samples=K, max_plate_nesting=1).draw(model, guide, X)
