@@ -302,21 +302,12 @@ def toy_case(num_data: int, num_samples: int, device: str, compiled: bool) -> Ca
     )
     case.careful.append("hand-written TMC (eager)")
     if compiled:
-        name = "hand-written TMC (torch.compile)"
-        case.careful.append(name)
-        try:
-            torch._dynamo.reset()  # a fresh compile per case, specialised to its shapes
-            fn = torch.compile(models.handwritten_tmc_loss, dynamic=False)
-            step = _backward_step(lambda: fn(x, loc, log_scale, num_samples))
-            _sync(device)
-            start = time.perf_counter()
-            step()  # compiles forward and backward
-            _sync(device)
-            case.compile_seconds[name] = f"{time.perf_counter() - start:.1f}"
-            case.steps[name] = step
-        except Exception as e:  # report and go on
-            reason = " ".join(str(e).split()).replace("|", "/")[:160] or type(e).__name__
-            case.failed[name] = f"compile failed: {type(e).__name__}: {reason}"
+        add_compiled_handwritten(
+            case,
+            "hand-written TMC (torch.compile)",
+            lambda: models.handwritten_tmc_loss(x, loc, log_scale, num_samples),
+            device,
+        )
     values = {name: statistics.fmean(step().item() for _ in range(3)) for name, step in case.steps.items()}
     case.notes.append(
         f"{case.title}: -log P_TMC (mean of 3 draws each): "
@@ -375,13 +366,12 @@ def hmm_case(length: int, device: str) -> Case:
 CHAIN_INDUCTOR_MAX = 100
 
 
-def _add_compiled_tree(case: Case, tree: Callable[[], torch.Tensor], device: str) -> None:
-    """The floor: the hand-written log-depth tree, factors included, compiled by ``torch.compile``."""
-    name = "hand-written log-depth tree (torch.compile)"
+def add_compiled_handwritten(case: Case, name: str, loss_fn: Callable[[], torch.Tensor], device: str) -> None:
+    """A hand-written step under ``torch.compile`` (fresh per case); its first call is the compile column."""
     case.careful.append(name)
     try:
-        torch._dynamo.reset()
-        step = _backward_step(torch.compile(tree, dynamic=False))
+        torch._dynamo.reset()  # a fresh compile per case, specialised to its shapes
+        step = _backward_step(torch.compile(loss_fn, dynamic=False))
         _sync(device)
         start = time.perf_counter()
         step()  # compiles forward and backward
@@ -443,7 +433,7 @@ def chain_case(num_steps: int, num_samples: int, device: str) -> Case:
     case.steps["hand-written sequential"] = _backward_step(sequential)
     case.steps["hand-written log-depth tree"] = _backward_step(tree)
     case.careful += ["hand-written sequential", "hand-written log-depth tree"]
-    _add_compiled_tree(case, tree, device)
+    add_compiled_handwritten(case, "hand-written log-depth tree (torch.compile)", tree, device)  # the floor
 
     # the two hand-written contractions on the same particles: same value and gradient
     f1, F, g = chain_log_factors(x, loc, log_scale, K)
