@@ -28,8 +28,9 @@ and are left alone. While tracing a graph (:func:`deferred_underflow_checks`),
 where no branch on values can run, each product records a flag instead, and the
 caller recomputes eagerly when one is set. A matrix product in a graph
 (:func:`log_matmul_exp`, a chain's links) is repaired in the graph instead: taken
-in float64, and where even that underflows, by max-plus through ``torch.cond``, so
-a stiff chain's captured steps are not each redone eagerly.
+in float64, and where even that underflows, by max-plus through ``torch.cond``: the
+underflowed entries alone, a static number of them at most, else the whole product.
+So a stiff chain's captured steps are not each redone eagerly.
 
 Reference: the max-plus (tropical) product as the exact shift, e.g. Rush,
 "Torch-Struct: Deep Structured Prediction Library", ACL 2020 (its log semiring).
@@ -291,38 +292,96 @@ def _graph_log_matmul_exp(
 ) -> torch.Tensor:
     """
     :func:`log_matmul_exp` in a traced graph, which cannot repair entries on demand.
-    The product is taken in float64, whose range holds most chains' spreads; where an
+    The product is taken in float64, whose range holds most chains' spreads. Where an
     entry still underflows (a stiff chain early in training: Fig. 4 of the paper), the
-    graph's ``torch.cond`` takes the exact max-plus product of the whole batch
-    instead (up to :data:`GRAPH_REPAIR_ELEMENTS` terms; a larger product is flagged).
-    So a captured step needs no eager redo for its chain.
+    graph's ``torch.cond`` repairs it exactly by max-plus (:func:`_repair_branch`): only
+    the underflowed entries while they are few, else the whole batch (up to
+    :data:`GRAPH_REPAIR_ELEMENTS` terms; a larger product is flagged, as an estimate's
+    graph does). So a captured step needs no eager redo for its chain.
     """
     wide_x, wide_y = x_shift.double(), y_shift.double()
     shifted_sum = torch.matmul((x.double() - wide_x).exp(), (y.double() - wide_y).exp())
-    low = shifted_sum < underflow_floor(torch.float64, x.size(-1))
+    low = (shifted_sum < underflow_floor(torch.float64, x.size(-1))) & live
     fast = _plus(safe_log(shifted_sum), [wide_x, wide_y])
     terms = shifted_sum.numel() * x.size(-1)
     if terms > GRAPH_REPAIR_ELEMENTS:  # too large to hold every term at once: flag, as an estimate does
-        _DEFERRED_FLAGS.get().append((low & live).any())
+        _DEFERRED_FLAGS.get().append(low.any())
         return fast.to(x.dtype)
     # torch.ops.higher_order.cond, not torch.cond: the latter traces its branches with
     # dynamo, whose dynamic shapes fail here; the operator itself traces them with make_fx
     (value,) = torch.ops.higher_order.cond(
-        (low & live).any(),
-        _exact_branch,
-        _fast_branch,
-        # cond refuses operands that alias (slices of one stack), and gradients laid out unlike
-        tuple(t.clone(memory_format=torch.contiguous_format) for t in (x, y, fast.to(x.dtype))),
+        low.any(), _repair_branch, _fast_branch, _cond_operands(x, y, fast, low)
     )
     return value
 
 
-def _exact_branch(x: torch.Tensor, y: torch.Tensor, fast: torch.Tensor) -> Tuple[torch.Tensor]:
+def _cond_operands(x: torch.Tensor, y: torch.Tensor, fast: torch.Tensor, low: torch.Tensor) -> tuple:
+    """The operands of a repair's ``cond``, each its own contiguous tensor, as ``cond`` requires
+    (it refuses operands that alias, such as slices of one stack, and gradients laid out unlike)."""
+    batch = fast.shape[:-2]
+    operands = (x.expand(batch + x.shape[-2:]), y.expand(batch + y.shape[-2:]), fast.to(x.dtype), low)
+    return tuple(t.clone(memory_format=torch.contiguous_format) for t in operands)
+
+
+def repair_capacity(num_entries: int) -> int:
+    """
+    How many underflowed entries of a product of ``num_entries`` entries the graph
+    repairs one by one (``K`` terms each); beyond that, the whole product by max-plus
+    (``K^3`` terms per matrix pair). An eighth: Fig. 4's 1,000-link chain at K=32 and
+    its guide's initial values underflows 9% of the first tree level's entries in
+    float64, 2% of the second's, and almost none after.
+    """
+    return max(64, num_entries // 8)
+
+
+def _repair_branch(
+    x: torch.Tensor, y: torch.Tensor, fast: torch.Tensor, low: torch.Tensor
+) -> Tuple[torch.Tensor]:
+    """Some entry underflowed: repair the entries alone while they are few, else the whole product."""
+    if repair_capacity(fast.numel()) >= fast.numel():  # a small product: every entry at once
+        return _exact_branch(x, y, fast, low)
+    return tuple(
+        torch.ops.higher_order.cond(
+            low.sum() <= repair_capacity(fast.numel()),
+            _entries_branch,
+            _exact_branch,
+            _cond_operands(x, y, fast, low),
+        )
+    )
+
+
+def _entries_branch(
+    x: torch.Tensor, y: torch.Tensor, fast: torch.Tensor, low: torch.Tensor
+) -> Tuple[torch.Tensor]:
+    """
+    The max-plus value of each underflowed entry (at most :func:`repair_capacity`), the
+    fast value elsewhere. The entries' indices have a static count, as a graph needs:
+    the unused ones point at one extra slot past the end, which is dropped, so
+    neither a value nor a gradient lands twice on a real entry.
+    """
+    shape, size = fast.shape, fast.numel()
+    rows, columns = shape[-2], shape[-1]
+    index = torch.nonzero_static(low.reshape(-1), size=repair_capacity(size), fill_value=size).squeeze(-1)
+    entry = index.clamp(max=size - 1)  # the unused indices read a real entry; their values are dropped
+    matrix, row, column = entry // (rows * columns), (entry // columns) % rows, entry % columns
+    # advanced indexing, so that the gradients come back laid out as the operands (cond needs that)
+    x_rows = x.reshape(-1, rows, x.size(-1))[matrix, row]
+    y_columns = y.reshape(-1, y.size(-2), columns)[matrix, :, column]
+    exact = safe_logsumexp(x_rows + y_columns, [-1])
+    padded = torch.cat([fast.reshape(-1), fast.new_zeros(1)])
+    return (padded.index_put((index,), exact)[:size].reshape(shape),)
+
+
+def _exact_branch(
+    x: torch.Tensor, y: torch.Tensor, fast: torch.Tensor, low: torch.Tensor
+) -> Tuple[torch.Tensor]:
     """The max-plus product of every entry: exact, never underflows (``K^3`` terms per matrix pair)."""
     return (safe_logsumexp(x.unsqueeze(-1) + y.unsqueeze(-3), [-2]).contiguous(),)
 
 
-def _fast_branch(x: torch.Tensor, y: torch.Tensor, fast: torch.Tensor) -> Tuple[torch.Tensor]:
+def _fast_branch(
+    x: torch.Tensor, y: torch.Tensor, fast: torch.Tensor, low: torch.Tensor
+) -> Tuple[torch.Tensor]:
     return (fast.clone(),)
 
 

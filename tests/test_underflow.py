@@ -227,6 +227,68 @@ def test_deferred_matrix_product_is_repaired_in_the_graph():
             assert torch.allclose(grad.double(), expected_grad, atol=1e-5)
 
 
+def chain_links(batch: int, K: int, scale: float, generator: torch.Generator):
+    """
+    Two batches of Gaussian random-walk links, ``x[b, i, j] = log N(v_j | u_i, scale)``
+    up to a constant and ``y[b, j, k]`` likewise from ``v`` to ``w``, with particles
+    ``u, v, w ~ N(0, 1)``: Fig. 4's links. An entry's value is about
+    ``-(u_i - w_k)^2 / (4 scale^2)`` below its row and column shifts, so the smaller
+    ``scale``, the more entries underflow even in float64.
+    """
+    u, v, w = (torch.randn(batch, K, generator=generator) for _ in range(3))
+    x = -((u[:, :, None] - v[:, None, :]) ** 2) / (2 * scale**2)
+    y = -((v[:, :, None] - w[:, None, :]) ** 2) / (2 * scale**2)
+    return x, y
+
+
+@pytest.mark.parametrize("scale, branch", [(0.05, "_entries_branch"), (0.02, "_exact_branch")])
+def test_graph_repair_of_few_and_many_entries(scale, branch, monkeypatch):
+    """
+    A graph repairs a product's underflowed entries one by one while they are at most
+    :func:`repair_capacity` (scale 0.05: 6% of them), and the whole product by max-plus
+    beyond (scale 0.02: 43%). Both are exact in value and gradient, traced and not; the
+    one-by-one repair pads its static count of entries, and no padding lands on a real
+    entry's value or gradient.
+    """
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    x, y = chain_links(40, 16, scale, torch.Generator().manual_seed(0))
+    wide_shift = x.double().amax(-1, keepdim=True) + y.double().amax(-2, keepdim=True)
+    wide = (x.double() - x.double().amax(-1, keepdim=True)).exp() @ (
+        y.double() - y.double().amax(-2, keepdim=True)
+    ).exp()
+    underflowed = int((wide < log_einsum.underflow_floor(torch.float64, 16)).sum())
+    assert wide_shift.isfinite().all() and underflowed > 0
+    assert (underflowed <= log_einsum.repair_capacity(wide.numel())) == (branch == "_entries_branch")
+
+    def product_and_grad(a, b):
+        a = torch.nn.Parameter(a)
+        with deferred_underflow_checks(repair_in_graph=True) as flags:
+            value = log_matmul_exp(a, b)
+        assert not flags
+        return value.detach(), torch.autograd.grad(value.logsumexp((-2, -1)).sum(), [a])[0]
+
+    reference = x.double().requires_grad_()
+    expected = torch.logsumexp(reference[..., :, :, None] + y.double()[..., None, :, :], -2)
+    (expected_grad,) = torch.autograd.grad(expected.logsumexp((-2, -1)).sum(), [reference])
+    graph = make_fx(product_and_grad, tracing_mode="fake")(x, y)
+    for value, grad in (product_and_grad(x, y), graph(x, y)):
+        assert torch.allclose(value.double(), expected, rtol=1e-6, atol=1e-6), (
+            (value.double() - expected).abs().max()
+        )
+        assert torch.allclose(grad.double(), expected_grad, atol=1e-6)
+
+    taken = []  # which branch runs: without autograd, cond runs only the one it takes
+    for name in ("_entries_branch", "_exact_branch"):
+        original = getattr(log_einsum, name)
+        monkeypatch.setattr(
+            log_einsum, name, lambda *args, name=name, f=original: (taken.append(name), f(*args))[1]
+        )
+    with torch.no_grad(), deferred_underflow_checks(repair_in_graph=True):
+        log_matmul_exp(x, y)
+    assert taken == [branch]
+
+
 def test_float64_wide_spread():
     """Float64 underflows too, past ~700 nats: it is repaired the same way."""
     generator = torch.Generator().manual_seed(4)
