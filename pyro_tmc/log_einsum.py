@@ -77,20 +77,44 @@ def safe_logsumexp(x: torch.Tensor, dims: Sequence[int]) -> torch.Tensor:
     ``logsumexp`` over ``dims``, exact (shifted by the max), whose gradient is 0,
     not NaN, where a whole slice is ``-inf`` (:func:`torch.logsumexp` gives NaN there).
     """
+    return _logsumexp(x, dims, torch.exp)
+
+
+def exact_logsumexp(x: torch.Tensor, dims: Sequence[int]) -> torch.Tensor:
+    """:func:`safe_logsumexp` by :func:`exp_or_zero`: for repairs, whose terms lie far below their maximum."""
+    return _logsumexp(x, dims, exp_or_zero)
+
+
+def _logsumexp(
+    x: torch.Tensor, dims: Sequence[int], exp: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
     dims = list(dims)
     shift = x.detach().amax(dims, keepdim=True).clamp(min=torch.finfo(x.dtype).min)
-    return safe_log((x - shift).exp().sum(dims)) + shift.squeeze(dims)
+    return safe_log(exp(x - shift).sum(dims)) + shift.squeeze(dims)
+
+
+def exp_or_zero(x: torch.Tensor) -> torch.Tensor:
+    """
+    ``exp(x)``, with every result below twice the dtype's smallest normal number
+    (``tiny``) set to 0. A sum of such terms loses at most ``2 tiny`` per term, as
+    :func:`underflow_floor` allows for. Why: this CPU's exp takes a slow path for
+    subnormal and zero results, 12-30x slower (float32 below -87.3, float64 below
+    -708), and a shifted operand of a stiff product (Fig. 4's chain early in
+    training) is mostly such values.
+    """
+    floor = math.log(2 * torch.finfo(x.dtype).tiny)
+    return x.clamp(min=floor).exp().masked_fill(x < floor, 0.0)
 
 
 def underflow_floor(dtype: torch.dtype, num_terms: int) -> float:
     """
     The smallest sum of ``num_terms`` shifted exponentials (each at most 1) that is
     exact to ``dtype``'s precision: each term lost to underflow (or flushed to
-    zero) is below ``tiny``, so ``num_terms * tiny`` lost is within ``eps`` of a
-    sum of at least ``num_terms * tiny / eps``.
+    zero by :func:`exp_or_zero`) is below ``2 tiny``, so ``2 num_terms tiny`` lost
+    is within ``eps`` of a sum of at least ``2 num_terms tiny / eps``.
     """
     info = torch.finfo(dtype)
-    return num_terms * info.tiny / info.eps
+    return 2 * num_terms * info.tiny / info.eps
 
 
 @contextmanager
@@ -227,7 +251,7 @@ def _exact_einsum_entries(
         picked = picked.reshape([picked.shape[0]] + [sizes[d] if d in dims else 1 for d in summed])
         total = picked if total is None else total + picked
     total = total.expand([index.shape[0]] + list(total.shape[1:]))
-    return safe_logsumexp(total.reshape(index.shape[0], -1), [1])
+    return exact_logsumexp(total.reshape(index.shape[0], -1), [1])
 
 
 def einsum(equation: str, *operands: torch.Tensor) -> torch.Tensor:
@@ -284,7 +308,7 @@ def _exact_matmul_entries(x: torch.Tensor, y: torch.Tensor, index: torch.Tensor)
     where = tuple(index[:, d] for d in range(len(batch)))
     rows = x[where + (index[:, -2],)]
     columns = y[where + (index[:, -1],)]
-    return safe_logsumexp(rows + columns, [-1])
+    return exact_logsumexp(rows + columns, [-1])
 
 
 def _graph_log_matmul_exp(
@@ -300,7 +324,7 @@ def _graph_log_matmul_exp(
     graph does). So a captured step needs no eager redo for its chain.
     """
     wide_x, wide_y = x_shift.double(), y_shift.double()
-    shifted_sum = torch.matmul((x.double() - wide_x).exp(), (y.double() - wide_y).exp())
+    shifted_sum = torch.matmul(exp_or_zero(x.double() - wide_x), exp_or_zero(y.double() - wide_y))
     low = (shifted_sum < underflow_floor(torch.float64, x.size(-1))) & live
     fast = _plus(safe_log(shifted_sum), [wide_x, wide_y])
     terms = shifted_sum.numel() * x.size(-1)
@@ -323,51 +347,63 @@ def _cond_operands(x: torch.Tensor, y: torch.Tensor, fast: torch.Tensor, low: to
     return tuple(t.clone(memory_format=torch.contiguous_format) for t in operands)
 
 
-def repair_capacity(num_entries: int) -> int:
+def repair_capacities(num_entries: int) -> List[int]:
     """
-    How many underflowed entries of a product of ``num_entries`` entries the graph
-    repairs one by one (``K`` terms each); beyond that, the whole product by max-plus
-    (``K^3`` terms per matrix pair). An eighth: Fig. 4's 1,000-link chain at K=32 and
-    its guide's initial values underflows 9% of the first tree level's entries in
-    float64, 2% of the second's, and almost none after.
+    How many underflowed entries of a product of ``num_entries`` entries the graph may
+    repair one by one (``K`` terms each), smallest first: the graph takes the smallest
+    that holds them all, and beyond the largest, the whole product by max-plus (``K^3``
+    terms per matrix pair). Fig. 4's 1,000-link chain at K=32 and its guide's initial
+    values underflows 9% of the first tree level's entries in float64, 2% of the
+    second's, 0.05% of the third's: an eighth, a 32nd and a 512th hold them.
     """
-    return max(64, num_entries // 8)
+    capacities = [num_entries // share for share in (512, 128, 32, 8)]
+    return sorted({max(64, capacity) for capacity in capacities if capacity < num_entries})
 
 
 def _repair_branch(
     x: torch.Tensor, y: torch.Tensor, fast: torch.Tensor, low: torch.Tensor
 ) -> Tuple[torch.Tensor]:
     """Some entry underflowed: repair the entries alone while they are few, else the whole product."""
-    if repair_capacity(fast.numel()) >= fast.numel():  # a small product: every entry at once
+    return _repair_within(repair_capacities(fast.numel()), x, y, fast, low)
+
+
+def _repair_within(
+    capacities: List[int], x: torch.Tensor, y: torch.Tensor, fast: torch.Tensor, low: torch.Tensor
+) -> Tuple[torch.Tensor]:
+    """The entries alone, within the first of ``capacities`` that holds them all, else the next."""
+    if not capacities:
         return _exact_branch(x, y, fast, low)
-    return tuple(
-        torch.ops.higher_order.cond(
-            low.sum() <= repair_capacity(fast.numel()),
-            _entries_branch,
-            _exact_branch,
-            _cond_operands(x, y, fast, low),
-        )
-    )
+    capacity, larger = capacities[0], capacities[1:]
+
+    def entries(*operands: torch.Tensor) -> Tuple[torch.Tensor]:
+        return _entries_branch(capacity, *operands)
+
+    def next_capacity(*operands: torch.Tensor) -> Tuple[torch.Tensor]:
+        return _repair_within(larger, *operands)
+
+    # a branch's operands are its own tensors already: no clones, as the outer cond needs
+    operands = (x, y, fast, low)
+    return tuple(torch.ops.higher_order.cond(low.sum() <= capacity, entries, next_capacity, operands))
 
 
 def _entries_branch(
-    x: torch.Tensor, y: torch.Tensor, fast: torch.Tensor, low: torch.Tensor
+    capacity: int, x: torch.Tensor, y: torch.Tensor, fast: torch.Tensor, low: torch.Tensor
 ) -> Tuple[torch.Tensor]:
     """
-    The max-plus value of each underflowed entry (at most :func:`repair_capacity`), the
-    fast value elsewhere. The entries' indices have a static count, as a graph needs:
+    The max-plus value of each underflowed entry (at most ``capacity``), the fast
+    value elsewhere. The entries' indices have a static count, as a graph needs:
     the unused ones point at one extra slot past the end, which is dropped, so
     neither a value nor a gradient lands twice on a real entry.
     """
     shape, size = fast.shape, fast.numel()
     rows, columns = shape[-2], shape[-1]
-    index = torch.nonzero_static(low.reshape(-1), size=repair_capacity(size), fill_value=size).squeeze(-1)
+    index = torch.nonzero_static(low.reshape(-1), size=capacity, fill_value=size).squeeze(-1)
     entry = index.clamp(max=size - 1)  # the unused indices read a real entry; their values are dropped
     matrix, row, column = entry // (rows * columns), (entry // columns) % rows, entry % columns
     # advanced indexing, so that the gradients come back laid out as the operands (cond needs that)
     x_rows = x.reshape(-1, rows, x.size(-1))[matrix, row]
     y_columns = y.reshape(-1, y.size(-2), columns)[matrix, :, column]
-    exact = safe_logsumexp(x_rows + y_columns, [-1])
+    exact = exact_logsumexp(x_rows + y_columns, [-1])
     padded = torch.cat([fast.reshape(-1), fast.new_zeros(1)])
     return (padded.index_put((index,), exact)[:size].reshape(shape),)
 
@@ -376,7 +412,7 @@ def _exact_branch(
     x: torch.Tensor, y: torch.Tensor, fast: torch.Tensor, low: torch.Tensor
 ) -> Tuple[torch.Tensor]:
     """The max-plus product of every entry: exact, never underflows (``K^3`` terms per matrix pair)."""
-    return (safe_logsumexp(x.unsqueeze(-1) + y.unsqueeze(-3), [-2]).contiguous(),)
+    return (exact_logsumexp(x.unsqueeze(-1) + y.unsqueeze(-3), [-2]).contiguous(),)
 
 
 def _fast_branch(
@@ -396,9 +432,9 @@ def log_matmul_exp(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     live = lambda: (x_shift > floor) & (y_shift > floor)  # noqa: E731 (finite maxima: not clamped)
     if checks_deferred() and _REPAIR_IN_GRAPH.get():
         return _graph_log_matmul_exp(x, y, x_shift, y_shift, live())
-    shifted_sum = torch.matmul((x - x_shift).exp(), (y - y_shift).exp())
+    shifted_sum = torch.matmul(exp_or_zero(x - x_shift), exp_or_zero(y - y_shift))
     wide_sum = lambda: torch.matmul(  # noqa: E731 (the same product in float64)
-        (x.double() - x_shift.double()).exp(), (y.double() - y_shift.double()).exp()
+        exp_or_zero(x.double() - x_shift.double()), exp_or_zero(y.double() - y_shift.double())
     )
     exact_at = functools.partial(_exact_matmul_entries, x, y)
     return _log_plus_shifts(shifted_sum, [x_shift, y_shift], live, wide_sum, exact_at, x.size(-1))
@@ -423,6 +459,8 @@ __all__ = [
     "checks_deferred",
     "deferred_underflow_checks",
     "einsum",
+    "exact_logsumexp",
+    "exp_or_zero",
     "log_matmul_exp",
     "safe_log",
     "safe_logsumexp",
