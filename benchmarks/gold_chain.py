@@ -24,7 +24,7 @@ centered parameterisation); Aitchison (2019) "Tensor Monte Carlo" (the estimate)
 import json
 import math
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -46,6 +46,13 @@ GLOBALS = {
     "white_noise_shock_scale": constraints.positive,
 }
 CHAIN = "log_volatility"
+#: the adaptive read-out (:func:`adapt_proposal`): factors on the globals' pooled posterior sd (the
+#: Student-t's scale) and on each day's pooled sd in the next proposal
+ROUND_WIDEN, DAY_WIDEN = 1.3, 1.5
+#: each adaptive round's TMC draws, and its globals' K
+ADAPT_DRAWS, ADAPT_GLOBAL_K = 10, 64
+#: the degrees of freedom of the adapted globals' Student-t proposal (None: a Normal)
+GLOBAL_DF: Optional[float] = 5.0
 
 
 class PersistencePrior(dist.TransformedDistribution):
@@ -144,6 +151,187 @@ class ChainGuide:
         )
         for t in vectorized_markov(name="days", size=self.num_days, dim=-1):
             pyro.sample(f"{CHAIN}_{t}", dist.Normal(loc[t], scale[t]))
+
+
+def from_proposal_coordinates(joint: torch.Tensor, center: float):
+    """
+    The globals from :class:`AdaptedChainGuide`'s coordinates ``(logit-scaled persistence, v, log
+    shock scale)``, where the mean log volatility is ``center + v * shock_scale / (1 - persistence)``;
+    with each global's ``log |d coordinate / d global|`` (its ``Delta`` site's ``log_density``).
+
+    The mean's posterior is a funnel in the persistence: given persistence near 1 the days barely
+    tie the mean down, its conditional sd grows as the AR(1)'s long-run sd ``shock_scale /
+    (1 - persistence)`` (in NUTS draws of the 100 days, from 0.5 to 2.8 across the persistence's
+    quintiles; the mean's kurtosis is 17). Scaled by the long-run sd it is near Normal (kurtosis 0.3).
+    """
+    persistence_transform = biject_to(GLOBALS["persistence_of_volatility"])
+    persistence = persistence_transform(joint[..., 0])
+    shock_scale = joint[..., 2].exp()
+    long_run_scale = shock_scale / (1 - persistence)
+    mean = center + joint[..., 1] * long_run_scale
+    log_densities = (
+        persistence_transform.inv.log_abs_det_jacobian(persistence, joint[..., 0]),
+        -long_run_scale.log(),
+        -joint[..., 2],
+    )
+    return (persistence, mean, shock_scale), log_densities
+
+
+def to_proposal_coordinates(persistence, mean, shock_scale, center: float) -> torch.Tensor:
+    """The inverse of :func:`from_proposal_coordinates`: shape ``batch + (3,)``."""
+    unconstrained = biject_to(GLOBALS["persistence_of_volatility"]).inv(persistence)
+    v = (mean - center) * (1 - persistence) / shock_scale
+    return torch.stack([unconstrained, v, shock_scale.log()], -1)
+
+
+class AdaptedChainGuide:
+    """
+    A fixed proposal for :func:`vectorized_model`'s read-out, moved onto the TMC posterior by
+    :func:`adapt_proposal`: the three globals one 3-dimensional Student-t (:data:`GLOBAL_DF` degrees
+    of freedom) with a full scale matrix in the coordinates of :func:`from_proposal_coordinates`
+    (an auxiliary site, unpacked by ``Delta`` sites with the maps' log-Jacobians, as
+    ``AutoMultivariateNormal`` unpacks its draws), and a Normal per day.
+
+    Why this shape: the globals' posterior is correlated (persistence against shock scale and
+    mean), so the proposal has a full covariance; the mean log volatility is a funnel in the
+    persistence, which the coordinates undo; and the persistence's unconstrained posterior has an
+    exponential right tail (the Beta prior's), under which a Normal proposal's weights would be
+    unbounded, a Student-t's are not.
+
+    :param torch.Tensor globals_loc: the globals' mean in the proposal coordinates, shape ``(3,)``.
+    :param torch.Tensor globals_scale_tril: the Cholesky factor of their scale matrix, ``(3, 3)``.
+    :param float center: the mean log volatility's centre in the coordinates.
+    :param torch.Tensor days_loc: the days' proposal means, ``(T,)``.
+    :param torch.Tensor days_scale: the days' proposal sds, ``(T,)``.
+    :ivar global_samples: the globals' K (the auxiliary site's ``infer["num_samples"]``).
+    :ivar float widen: a factor on the globals' scale.
+    """
+
+    def __init__(self, globals_loc, globals_scale_tril, center: float, days_loc, days_scale) -> None:
+        self.globals_loc, self.globals_scale_tril, self.center = globals_loc, globals_scale_tril, center
+        self.days_loc, self.days_scale = days_loc, days_scale
+        self.global_samples: Optional[int] = None
+        self.widen = 1.0
+
+    @classmethod
+    def from_trained(cls, guide: ChainGuide) -> "AdaptedChainGuide":
+        """The trained mean-field :class:`ChainGuide`'s proposal, moved to the coordinates, detached."""
+        store = pyro.get_param_store()
+        locs = [store[f"chain_guide.{name}.loc"].detach() for name in GLOBALS]
+        scales = [store[f"chain_guide.{name}.scale"].detach() for name in GLOBALS]
+        persistence = biject_to(GLOBALS["persistence_of_volatility"])(locs[0])
+        shock_scale = locs[2].exp()
+        center = float(locs[1])
+        # the mean's trained sd, in units of the long-run sd at the other globals' locations
+        v_scale = scales[1] * (1 - persistence) / shock_scale
+        scale_tril = torch.diag(torch.stack([scales[0], v_scale, scales[2]]))
+        days = (store["chain_guide.days.loc"].detach(), store["chain_guide.days.scale"].detach())
+        loc = torch.stack([locs[0], torch.zeros(()), locs[2]])
+        return cls(loc, scale_tril, center, *days)
+
+    def __call__(self, returns: torch.Tensor) -> None:
+        infer = {"is_auxiliary": True}
+        if self.global_samples:
+            infer["num_samples"] = self.global_samples
+        scale_tril = self.widen * self.globals_scale_tril
+        if GLOBAL_DF:
+            proposal = dist.MultivariateStudentT(GLOBAL_DF, self.globals_loc, scale_tril)
+        else:
+            proposal = dist.MultivariateNormal(self.globals_loc, scale_tril=scale_tril)
+        joint = pyro.sample("chain_globals", proposal, infer=infer)
+        values, log_densities = from_proposal_coordinates(joint, self.center)
+        for name, value, log_density in zip(GLOBALS, values, log_densities):
+            pyro.sample(name, dist.Delta(value, log_density=log_density))
+        for t in vectorized_markov(name="days", size=len(self.days_loc), dim=-1):
+            pyro.sample(f"{CHAIN}_{t}", dist.Normal(self.days_loc[t], self.days_scale[t]))
+
+
+class DrawMoments(NamedTuple):
+    """
+    What one TMC draw says about the posterior, for :func:`adapt_proposal`.
+
+    :ivar float log_evidence: the draw's ``log P_TMC``.
+    :ivar torch.Tensor global_particles: the globals' particles, ``(K_globals, 3)``.
+    :ivar torch.Tensor global_log_weights: their marginal log weights, normalised within the draw.
+    :ivar torch.Tensor day_firsts: each day's marginal mean, ``(T,)``.
+    :ivar torch.Tensor day_seconds: each day's marginal second moment, ``(T,)``.
+    """
+
+    log_evidence: float
+    global_particles: torch.Tensor
+    global_log_weights: torch.Tensor
+    day_firsts: torch.Tensor
+    day_seconds: torch.Tensor
+
+
+def draw_moments(draw, num_days: int) -> DrawMoments:
+    """:class:`DrawMoments` of a draw of :func:`vectorized_model` (float64)."""
+    marginals, log_estimate = marginals_and_log_estimate(draw)
+    particles = [marginals[name]._samples.double().reshape(-1) for name in GLOBALS]
+    # the globals share one particle dim (one auxiliary site): one set of weights
+    log_weights = marginals[next(iter(GLOBALS))]._log_weights.double().reshape(-1)
+    days = [marginals[f"{CHAIN}_0"], marginals[f"{CHAIN}_{slice(1, num_days)}"]]
+    firsts = torch.cat([day.mean.double().reshape(-1) for day in days])
+    seconds = torch.cat([day.expectation(torch.square).double().reshape(-1) for day in days])
+    return DrawMoments(
+        float(log_estimate),
+        torch.stack(particles, -1),
+        log_weights - torch.logsumexp(log_weights, 0),
+        firsts,
+        seconds,
+    )
+
+
+def adapt_proposal(
+    problem, guide: AdaptedChainGuide, num_samples: int, rounds: int, draws: int, global_samples: int
+) -> AdaptedChainGuide:
+    """
+    Adaptive importance sampling of the globals with TMC's own weights: each round reads ``draws``
+    TMC draws of ``global_samples`` global particles and ``num_samples`` per day, then moves the
+    globals' proposal to the TMC-weighted mean and covariance of its particles (each particle
+    weighted by its marginal weight times its draw's ``P_TMC``), widened by :data:`ROUND_WIDEN`,
+    and each day's proposal to its pooled marginal mean and sd, widened by :data:`DAY_WIDEN`.
+
+    The weights are consistent whatever the proposal, so the rounds undo the bound's bias on the
+    globals (the trained proposal sits at the bound's optimum, not at the posterior); the widths
+    keep the tails that the last round's few particles missed. Population Monte Carlo (Cappe,
+    Guillin, Marin and Robert 2004), with TMC draws as the samples.
+
+    :returns: the adapted guide (a new one; ``guide`` is left as it was).
+    """
+    (returns,) = problem.args
+    readout = TMC_ELBO(num_samples=num_samples, max_plate_nesting=1)
+    for _ in range(rounds):
+        guide.global_samples = global_samples
+        moments = []
+        for _ in range(draws):
+            with torch.no_grad():
+                moments.append(draw_moments(readout.draw(vectorized_model, guide, returns), len(returns)))
+        guide = pooled_proposal(moments, guide.center)
+    return guide
+
+
+def pooled_proposal(moments: Sequence[DrawMoments], center: float) -> AdaptedChainGuide:
+    """
+    The proposal at the draws' pooled posterior moments: the globals' weighted mean and covariance
+    (in :func:`to_proposal_coordinates` about ``center``) widened by :data:`ROUND_WIDEN`, each day's
+    mean and sd widened by :data:`DAY_WIDEN`.
+    """
+    log_evidences = torch.tensor([m.log_evidence for m in moments], dtype=torch.float64)
+    firsts = torch.stack([m.day_firsts for m in moments])
+    seconds = torch.stack([m.day_seconds for m in moments])
+    day_mean, day_sd = pool(firsts, seconds, torch.softmax(log_evidences, 0))
+    # a particle's weight: its marginal weight in its draw times the draw's P_TMC
+    weights = torch.softmax(torch.cat([m.global_log_weights + m.log_evidence for m in moments]), 0)
+    particles = to_proposal_coordinates(*torch.cat([m.global_particles for m in moments]).unbind(-1), center)
+    mean = weights @ particles
+    deviations = particles - mean
+    covariance = (weights[:, None] * deviations).T @ deviations
+    jitter = 1e-9 * torch.eye(len(GLOBALS), dtype=covariance.dtype)
+    scale_tril = torch.linalg.cholesky(covariance + jitter)
+    return AdaptedChainGuide(
+        mean.float(), ROUND_WIDEN * scale_tril.float(), center, day_mean.float(), DAY_WIDEN * day_sd.float()
+    )
 
 
 def chain_moments_to_sites(moments: Dict[str, Tuple[torch.Tensor, torch.Tensor]], num_days: int):
@@ -298,7 +486,9 @@ def run_tmc(problem, settings, checkpoints: Sequence[int], score, to_gym, path=N
     from TMC draws; logs one error row per checkpoint and weighting, timed from the start of training.
 
     :param settings: :class:`gold.Settings`: ``steps``, ``lr``, ``train_k``; the read-out's ``read_k``,
-        ``draws``, ``global_k`` (the globals' K), ``widen`` and ``weighting`` (of the returned estimate).
+        ``draws``, ``global_k`` (the globals' K), ``widen`` and ``weighting`` (of the returned estimate);
+        ``adapt_rounds``: rounds of :func:`adapt_proposal` before the read-out (0: read the trained
+        guide, its globals' scales times ``widen``; else ``widen`` is the first round's factor).
     :param score: gym estimate -> error metrics.
     :param to_gym: the sites' moments -> the gym estimate (:func:`gold.site_moments_to_gym`).
     :returns: the gym estimate from all draws at ``settings.weighting``, and the checkpoints' rows.
@@ -308,7 +498,15 @@ def run_tmc(problem, settings, checkpoints: Sequence[int], score, to_gym, path=N
         problem, settings.steps, settings.train_k, settings.lr, None, progress or (lambda it: it)
     )
     train_seconds = time.perf_counter() - start
-    guide.global_samples, guide.widen = settings.global_k, settings.widen
+    if settings.adapt_rounds:
+        guide = AdaptedChainGuide.from_trained(guide)
+        guide.widen = settings.widen  # the first round's proposal: the trained one, widened
+        guide = adapt_proposal(
+            problem, guide, settings.read_k, settings.adapt_rounds, ADAPT_DRAWS, ADAPT_GLOBAL_K
+        )
+    else:
+        guide.widen = settings.widen
+    guide.global_samples = settings.global_k
     rows, final = [], {}
 
     def log(weighting: str, sites, done: int, effective: float) -> None:
