@@ -92,6 +92,8 @@ def _is_random(node: Node) -> bool:
 
 def _signature(value: Any) -> Any:
     """Shapes and dtypes of a node's value (a tensor, or a pytree of them)."""
+    if isinstance(value, torch.Tensor):  # most values: no pytree walk
+        return ((tuple(value.shape), value.dtype, value.device),)
     leaves, spec = tree_flatten(value)
     return (
         tuple(
@@ -357,8 +359,10 @@ class _Batched:
         if self._unbound is None:
             if isinstance(self.value, torch.Tensor):
                 self._unbound = list(self.value.unbind(0))
-            else:
-                self._unbound = [tree_map(lambda t, i=i: t[i], self.value) for i in range(self.size)]
+            else:  # one unbind per leaf, not one indexing per leaf and member
+                leaves, spec = tree_flatten(self.value)
+                rows = zip(*(leaf.unbind(0) for leaf in leaves))
+                self._unbound = [tree_unflatten(list(row), spec) for row in rows]
         return self._unbound[index]
 
 
