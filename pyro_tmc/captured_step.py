@@ -48,11 +48,12 @@ tensors: during capture they are swapped for the graph's inputs in every module
 that holds them, and put back after.
 """
 
+import contextlib
 import dataclasses
 import gc
 import time
 import warnings
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -251,6 +252,7 @@ def capture_step(
     :raises GraphFallback: where tracing fails (a branch on values, a tensor read
         that is not an input) or the step uses a custom ``autograd.Function``.
     """
+    from torch.fx._lazy_graph_module import _use_lazy_graph_module
     from torch.fx.experimental.proxy_tensor import make_fx
 
     params = unconstrained_parameters(param_names)
@@ -277,7 +279,10 @@ def capture_step(
 
     inputs = params + arguments
     try:
-        graph = make_fx(step, tracing_mode="fake")(*inputs)
+        # a lazy graph writes its Python code at its first call, not at each recompile: a long
+        # step's graph is rewritten by rolling and may never run (tens of thousands of operations)
+        with _use_lazy_graph_module(True):
+            graph = make_fx(step, tracing_mode="fake")(*inputs)
     except Exception as error:  # any failure: the eager step is always right
         raise GraphFallback(_fallback_reason(error)) from error
     return graph, recorded[-1]
@@ -420,7 +425,8 @@ class StepProgram:
         eager_seconds = time.perf_counter() - start
         names = recorder.param_names
         try:
-            graph, structure = capture_step(differentiable_loss, names, arguments, rebuild)
+            with _collection_paused():
+                graph, structure = capture_step(differentiable_loss, names, arguments, rebuild)
         except GraphFallback as reason:
             self._steps[key] = CapturedStep(None, None, names, [], [])
             _warn_fallback(str(reason))
@@ -434,7 +440,8 @@ class StepProgram:
         graph.recompile()
         params = unconstrained_parameters(names)
         specs = [_spec(p) for p in params]
-        program = self._rolled(graph, params + arguments)
+        with _collection_paused():
+            program = self._rolled(graph, params + arguments)
         captured = CapturedStep(program, graph, names, specs, structure, [eager_seconds])
         if self.mode == "inductor" and not self._too_large(program):
             options = {"dynamic": False, **self.options}
@@ -546,6 +553,22 @@ class StepProgram:
         if min(captured.replay_seconds) > min(captured.eager_seconds):
             captured.program = None  # eager from now on; checks and read-outs are unchanged
         captured.eager_seconds = None
+
+
+@contextlib.contextmanager
+def _collection_paused() -> Iterator[None]:
+    """
+    Python's cyclic garbage collector paused, as it was before on exit: a capture allocates
+    hundreds of thousands of graph nodes, fake tensors and proxies that live until it ends,
+    and each full collection walks all of them (about a tenth of a long chain's capture).
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _close(a: float, b: float, rtol: float = 1e-4) -> bool:
