@@ -362,7 +362,8 @@ class StepProgram:
         if captured is None:
             if len(self._steps) >= MAX_CAPTURES:
                 return eager_step(args, kwargs)
-            return self._capture(key, differentiable_loss, arguments, rebuild, eager_step, args, kwargs)
+            with _collection_paused():
+                return self._capture(key, differentiable_loss, arguments, rebuild, eager_step, args, kwargs)
         if count % self.check_every == 0:
             return self._checked_eager(eager_step, args, kwargs, key, arguments)
         if self._times_eager_next(captured):
@@ -425,8 +426,7 @@ class StepProgram:
         eager_seconds = time.perf_counter() - start
         names = recorder.param_names
         try:
-            with _collection_paused():
-                graph, structure = capture_step(differentiable_loss, names, arguments, rebuild)
+            graph, structure = capture_step(differentiable_loss, names, arguments, rebuild)
         except GraphFallback as reason:
             self._steps[key] = CapturedStep(None, None, names, [], [])
             _warn_fallback(str(reason))
@@ -440,8 +440,7 @@ class StepProgram:
         graph.recompile()
         params = unconstrained_parameters(names)
         specs = [_spec(p) for p in params]
-        with _collection_paused():
-            program = self._rolled(graph, params + arguments)
+        program = self._rolled(graph, params + arguments)
         captured = CapturedStep(program, graph, names, specs, structure, [eager_seconds])
         if self.mode == "inductor" and not self._too_large(program):
             options = {"dynamic": False, **self.options}
@@ -493,7 +492,10 @@ class StepProgram:
         rng_state = _rng_state(params + arguments)
         start = time.perf_counter()
         try:
-            loss, underflow, *grads = captured.program(*params, *arguments)
+            # the graph holds the step's backward as operations: replayed, it needs no autograd (a
+            # cond run under autograd would trace its branches again at every call, ~7 ms each)
+            with torch.no_grad():
+                loss, underflow, *grads = captured.program(*params, *arguments)
         except Exception as error:  # inductor compiles at the first replay: it may fail there
             if captured.uncompiled is None:
                 raise
@@ -506,7 +508,8 @@ class StepProgram:
             )
             captured.program, captured.uncompiled = captured.uncompiled, None
             _set_rng_state(rng_state)
-            loss, underflow, *grads = captured.program(*params, *arguments)
+            with torch.no_grad():
+                loss, underflow, *grads = captured.program(*params, *arguments)
         captured.attempts += 1
         if bool(underflow) or not torch.isfinite(loss):
             _set_rng_state(rng_state)  # the same draw, eagerly: products repaired, a bad site named
@@ -560,7 +563,8 @@ def _collection_paused() -> Iterator[None]:
     """
     Python's cyclic garbage collector paused, as it was before on exit: a capture allocates
     hundreds of thousands of graph nodes, fake tensors and proxies that live until it ends,
-    and each full collection walks all of them (about a tenth of a long chain's capture).
+    and each full collection walks all of them (about a tenth of a long chain's capture, its
+    eager step included).
     """
     was_enabled = gc.isenabled()
     gc.disable()

@@ -674,7 +674,9 @@ def roll(
     collapse_sum_chains(graph)
     module.recompile()
     schedule = plan_groups(graph, batch_draws)
-    rolled = make_fx(RolledStep(module, schedule), tracing_mode="fake")(*example_inputs)
+    # the step's backward is in its graph already, as operations: tracing them needs no autograd
+    with torch.no_grad():
+        rolled = make_fx(RolledStep(module, schedule), tracing_mode="fake")(*example_inputs)
     rolled.graph.eliminate_dead_code()
     rolled.recompile()
     return rolled
