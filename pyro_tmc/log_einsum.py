@@ -318,10 +318,11 @@ def _graph_log_matmul_exp(
     :func:`log_matmul_exp` in a traced graph, which cannot repair entries on demand.
     The product is taken in float64, whose range holds most chains' spreads. Where an
     entry still underflows (a stiff chain early in training: Fig. 4 of the paper), the
-    graph's ``torch.cond`` repairs it exactly by max-plus (:func:`_repair_branch`): only
-    the underflowed entries while they are few, else the whole batch (up to
-    :data:`GRAPH_REPAIR_ELEMENTS` terms; a larger product is flagged, as an estimate's
-    graph does). So a captured step needs no eager redo for its chain.
+    graph's ``torch.cond`` repairs it exactly by max-plus (:func:`_entries_branch`): the
+    underflowed entries alone, up to :func:`repair_capacity` of them, else the whole
+    product (up to :data:`GRAPH_REPAIR_ELEMENTS` terms; a larger product is flagged, as an
+    estimate's graph does, and the step redone eagerly). So a stiff chain's captured
+    steps are not each redone eagerly.
     """
     wide_x, wide_y = x_shift.double(), y_shift.double()
     shifted_sum = torch.matmul(exp_or_zero(x.double() - wide_x), exp_or_zero(y.double() - wide_y))
@@ -332,58 +333,34 @@ def _graph_log_matmul_exp(
         _DEFERRED_FLAGS.get().append(low.any())
         return fast.to(x.dtype)
     # torch.ops.higher_order.cond, not torch.cond: the latter traces its branches with
-    # dynamo, whose dynamic shapes fail here; the operator itself traces them with make_fx
+    # dynamo, whose dynamic shapes fail here; the operator itself traces them with make_fx.
+    # cond refuses operands that alias (slices of one stack), and gradients laid out unlike
+    x, y, value, low = (t.clone(memory_format=torch.contiguous_format) for t in (x, y, fast.to(x.dtype), low))
+    capacity = repair_capacity(value.numel())
+    # one cond per product, as few as can be: replayed, each costs ~0.5 ms of Python dispatch
+    if capacity >= value.numel():  # a small product: all of it, by max-plus
+        (value,) = torch.ops.higher_order.cond(low.any(), _exact_branch, _keep_branch, (x, y, value, low))
+        return value
+    # two flat conds, not nested ones: make_fx retraces a nested cond once per enclosing trace
+    count = low.sum()
+    entries = functools.partial(_entries_branch, capacity)
     (value,) = torch.ops.higher_order.cond(
-        low.any(), _repair_branch, _fast_branch, _cond_operands(x, y, fast, low)
+        (count > 0) & (count <= capacity), entries, _keep_branch, (x, y, value, low)
     )
+    # more underflowed entries than that (a product stiffer than Fig. 4's chain at its start)
+    (value,) = torch.ops.higher_order.cond(count > capacity, _exact_branch, _keep_branch, (x, y, value, low))
     return value
 
 
-def _cond_operands(x: torch.Tensor, y: torch.Tensor, fast: torch.Tensor, low: torch.Tensor) -> tuple:
-    """The operands of a repair's ``cond``, each its own contiguous tensor, as ``cond`` requires
-    (it refuses operands that alias, such as slices of one stack, and gradients laid out unlike)."""
-    batch = fast.shape[:-2]
-    operands = (x.expand(batch + x.shape[-2:]), y.expand(batch + y.shape[-2:]), fast.to(x.dtype), low)
-    return tuple(t.clone(memory_format=torch.contiguous_format) for t in operands)
-
-
-def repair_capacities(num_entries: int) -> List[int]:
+def repair_capacity(num_entries: int) -> int:
     """
-    How many underflowed entries of a product of ``num_entries`` entries the graph may
-    repair one by one (``K`` terms each), smallest first: the graph takes the smallest
-    that holds them all, and beyond the largest, the whole product by max-plus (``K^3``
-    terms per matrix pair). Fig. 4's 1,000-link chain at K=32 and its guide's initial
-    values underflows 9% of the first tree level's entries in float64, 2% of the
-    second's, 0.05% of the third's: an eighth, a 32nd and a 512th hold them.
+    How many underflowed entries of a product of ``num_entries`` entries the graph
+    repairs one by one (``K`` terms each), beyond which it takes the whole product by
+    max-plus (``K^3`` terms per matrix pair), as it does for a small product. Fig. 4's
+    1,000-link chain at K=32 and its guide's initial values underflows 9% of the first
+    tree level's entries in float64, 2% of the second's, and almost none after.
     """
-    capacities = [num_entries // share for share in (512, 128, 32, 8)]
-    return sorted({max(64, capacity) for capacity in capacities if capacity < num_entries})
-
-
-def _repair_branch(
-    x: torch.Tensor, y: torch.Tensor, fast: torch.Tensor, low: torch.Tensor
-) -> Tuple[torch.Tensor]:
-    """Some entry underflowed: repair the entries alone while they are few, else the whole product."""
-    return _repair_within(repair_capacities(fast.numel()), x, y, fast, low)
-
-
-def _repair_within(
-    capacities: List[int], x: torch.Tensor, y: torch.Tensor, fast: torch.Tensor, low: torch.Tensor
-) -> Tuple[torch.Tensor]:
-    """The entries alone, within the first of ``capacities`` that holds them all, else the next."""
-    if not capacities:
-        return _exact_branch(x, y, fast, low)
-    capacity, larger = capacities[0], capacities[1:]
-
-    def entries(*operands: torch.Tensor) -> Tuple[torch.Tensor]:
-        return _entries_branch(capacity, *operands)
-
-    def next_capacity(*operands: torch.Tensor) -> Tuple[torch.Tensor]:
-        return _repair_within(larger, *operands)
-
-    # a branch's operands are its own tensors already: no clones, as the outer cond needs
-    operands = (x, y, fast, low)
-    return tuple(torch.ops.higher_order.cond(low.sum() <= capacity, entries, next_capacity, operands))
+    return max(512, num_entries // 8)
 
 
 def _entries_branch(
@@ -401,8 +378,9 @@ def _entries_branch(
     entry = index.clamp(max=size - 1)  # the unused indices read a real entry; their values are dropped
     matrix, row, column = entry // (rows * columns), (entry // columns) % rows, entry % columns
     # advanced indexing, so that the gradients come back laid out as the operands (cond needs that)
-    x_rows = x.reshape(-1, rows, x.size(-1))[matrix, row]
-    y_columns = y.reshape(-1, y.size(-2), columns)[matrix, :, column]
+    batch = shape[:-2]
+    x_rows = x.expand(batch + x.shape[-2:]).reshape(-1, rows, x.size(-1))[matrix, row]
+    y_columns = y.expand(batch + y.shape[-2:]).reshape(-1, y.size(-2), columns)[matrix, :, column]
     exact = exact_logsumexp(x_rows + y_columns, [-1])
     padded = torch.cat([fast.reshape(-1), fast.new_zeros(1)])
     return (padded.index_put((index,), exact)[:size].reshape(shape),)
@@ -415,7 +393,7 @@ def _exact_branch(
     return (exact_logsumexp(x.unsqueeze(-1) + y.unsqueeze(-3), [-2]).contiguous(),)
 
 
-def _fast_branch(
+def _keep_branch(
     x: torch.Tensor, y: torch.Tensor, fast: torch.Tensor, low: torch.Tensor
 ) -> Tuple[torch.Tensor]:
     return (fast.clone(),)

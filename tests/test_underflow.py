@@ -241,25 +241,14 @@ def chain_links(batch: int, K: int, scale: float, generator: torch.Generator):
     return x, y
 
 
-@pytest.mark.parametrize("scale, branch", [(0.05, "_entries_branch"), (0.02, "_exact_branch")])
-def test_graph_repair_of_few_and_many_entries(scale, branch, monkeypatch):
+def test_graph_repairs_few_underflowed_entries_alone_and_many_at_once(monkeypatch):
     """
-    A graph repairs a product's underflowed entries one by one while they are at most
-    the largest of :func:`repair_capacities` (scale 0.05: 6% of them), and the whole product by max-plus
-    beyond (scale 0.02: 43%). Both are exact in value and gradient, traced and not; the
-    one-by-one repair pads its static count of entries, and no padding lands on a real
-    entry's value or gradient.
+    A graph repairs a large product's underflowed entries one by one, up to
+    :func:`repair_capacity` of them (scale 0.05: 6% of them), with no padding landing
+    on a real entry's value or gradient; beyond (scale 0.02: 43%), the whole product by
+    max-plus. Both exact in value and gradient, traced and not, with no flag.
     """
     from torch.fx.experimental.proxy_tensor import make_fx
-
-    x, y = chain_links(40, 16, scale, torch.Generator().manual_seed(0))
-    wide_shift = x.double().amax(-1, keepdim=True) + y.double().amax(-2, keepdim=True)
-    wide = (x.double() - x.double().amax(-1, keepdim=True)).exp() @ (
-        y.double() - y.double().amax(-2, keepdim=True)
-    ).exp()
-    underflowed = int((wide < log_einsum.underflow_floor(torch.float64, 16)).sum())
-    assert wide_shift.isfinite().all() and underflowed > 0
-    assert (underflowed <= log_einsum.repair_capacities(wide.numel())[-1]) == (branch == "_entries_branch")
 
     def product_and_grad(a, b):
         a = torch.nn.Parameter(a)
@@ -268,25 +257,32 @@ def test_graph_repair_of_few_and_many_entries(scale, branch, monkeypatch):
         assert not flags
         return value.detach(), torch.autograd.grad(value.logsumexp((-2, -1)).sum(), [a])[0]
 
-    reference = x.double().requires_grad_()
-    expected = torch.logsumexp(reference[..., :, :, None] + y.double()[..., None, :, :], -2)
-    (expected_grad,) = torch.autograd.grad(expected.logsumexp((-2, -1)).sum(), [reference])
-    graph = make_fx(product_and_grad, tracing_mode="fake")(x, y)
-    for value, grad in (product_and_grad(x, y), graph(x, y)):
-        assert torch.allclose(value.double(), expected, rtol=1e-6, atol=1e-6), (
-            (value.double() - expected).abs().max()
-        )
-        assert torch.allclose(grad.double(), expected_grad, atol=1e-6)
+    for scale, branch in ((0.05, "_entries_branch"), (0.02, "_exact_branch")):
+        x, y = chain_links(40, 16, scale, torch.Generator().manual_seed(0))
+        wide = (x.double() - x.double().amax(-1, keepdim=True)).exp() @ (
+            y.double() - y.double().amax(-2, keepdim=True)
+        ).exp()
+        underflowed = int((wide < log_einsum.underflow_floor(torch.float64, 16)).sum())
+        capacity = log_einsum.repair_capacity(wide.numel())
+        assert 0 < underflowed and (underflowed <= capacity) == (branch == "_entries_branch")
+        reference = x.double().requires_grad_()
+        expected = torch.logsumexp(reference[..., :, :, None] + y.double()[..., None, :, :], -2)
+        (expected_grad,) = torch.autograd.grad(expected.logsumexp((-2, -1)).sum(), [reference])
+        graph = make_fx(product_and_grad, tracing_mode="fake")(x, y)
+        for value, grad in (product_and_grad(x, y), graph(x, y)):
+            assert torch.allclose(value.double(), expected, rtol=1e-6, atol=1e-6)
+            assert torch.allclose(grad.double(), expected_grad, atol=1e-6)
 
-    taken = []  # which branch runs: without autograd, cond runs only the one it takes
-    for name in ("_entries_branch", "_exact_branch"):
-        original = getattr(log_einsum, name)
-        monkeypatch.setattr(
-            log_einsum, name, lambda *args, name=name, f=original: (taken.append(name), f(*args))[1]
-        )
-    with torch.no_grad(), deferred_underflow_checks(repair_in_graph=True):
-        log_matmul_exp(x, y)
-    assert taken == [branch]
+        taken = []  # which repair runs: without autograd, a cond runs only the branch it takes
+        with monkeypatch.context() as patch:
+            for name in ("_entries_branch", "_exact_branch"):
+                original = getattr(log_einsum, name)
+                patch.setattr(
+                    log_einsum, name, lambda *a, name=name, f=original, t=taken: (t.append(name), f(*a))[1]
+                )
+            with torch.no_grad(), deferred_underflow_checks(repair_in_graph=True):
+                log_matmul_exp(x, y)
+        assert taken == [branch]
 
 
 def test_float64_wide_spread():
