@@ -319,10 +319,10 @@ def _graph_log_matmul_exp(
     The product is taken in float64, whose range holds most chains' spreads. Where an
     entry still underflows (a stiff chain early in training: Fig. 4 of the paper), the
     graph's ``torch.cond`` repairs it exactly by max-plus (:func:`_entries_branch`): the
-    underflowed entries alone, up to :func:`repair_capacity` of them, else the whole
-    product (up to :data:`GRAPH_REPAIR_ELEMENTS` terms; a larger product is flagged, as an
-    estimate's graph does, and the step redone eagerly). So a stiff chain's captured
-    steps are not each redone eagerly.
+    underflowed entries alone, up to :func:`repair_capacity` of them (a small product's
+    all). Beyond that, and above :data:`GRAPH_REPAIR_ELEMENTS` terms, the product is
+    flagged, as an estimate's graph does, and the step redone eagerly. So Fig. 4's chain
+    and small stiff chains replay with no eager redo.
     """
     wide_x, wide_y = x_shift.double(), y_shift.double()
     shifted_sum = torch.matmul(exp_or_zero(x.double() - wide_x), exp_or_zero(y.double() - wide_y))
@@ -341,26 +341,26 @@ def _graph_log_matmul_exp(
     if capacity >= value.numel():  # a small product: all of it, by max-plus
         (value,) = torch.ops.higher_order.cond(low.any(), _exact_branch, _keep_branch, (x, y, value, low))
         return value
-    # two flat conds, not nested ones: make_fx retraces a nested cond once per enclosing trace
-    count = low.sum()
+    # one cond per product: each more costs seconds of capture on a long chain (make_fx traces its
+    # branches and their backward), and nested ones are retraced once per enclosing trace
     entries = functools.partial(_entries_branch, capacity)
-    (value,) = torch.ops.higher_order.cond(
-        (count > 0) & (count <= capacity), entries, _keep_branch, (x, y, value, low)
-    )
-    # more underflowed entries than that (a product stiffer than Fig. 4's chain at its start)
-    (value,) = torch.ops.higher_order.cond(count > capacity, _exact_branch, _keep_branch, (x, y, value, low))
+    (value,) = torch.ops.higher_order.cond(low.any(), entries, _keep_branch, (x, y, value, low))
+    # more underflowed entries than that (a large product stiffer than Fig. 4's chain at its start):
+    # the step is redone eagerly, where every entry is repaired
+    _DEFERRED_FLAGS.get().append(low.sum() > capacity)
     return value
 
 
 def repair_capacity(num_entries: int) -> int:
     """
     How many underflowed entries of a product of ``num_entries`` entries the graph
-    repairs one by one (``K`` terms each), beyond which it takes the whole product by
-    max-plus (``K^3`` terms per matrix pair), as it does for a small product. Fig. 4's
-    1,000-link chain at K=32 and its guide's initial values underflows 9% of the first
-    tree level's entries in float64, 2% of the second's, and almost none after.
+    repairs one by one (``K`` terms each): an eighth, and at least 4,096, so that a
+    small product is repaired whole however stiff. Beyond that the step is redone
+    eagerly. Fig. 4's 1,000-link chain at K=32 and its guide's initial values
+    underflows 9% of the first tree level's entries in float64, 2% of the second's,
+    and almost none after.
     """
-    return max(512, num_entries // 8)
+    return max(4096, num_entries // 8)
 
 
 def _entries_branch(
