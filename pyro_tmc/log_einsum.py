@@ -337,17 +337,13 @@ def _graph_log_matmul_exp(
     # cond refuses operands that alias (slices of one stack), and gradients laid out unlike
     x, y, value, low = (t.clone(memory_format=torch.contiguous_format) for t in (x, y, fast.to(x.dtype), low))
     capacity = repair_capacity(value.numel())
-    # one cond per product, as few as can be: replayed, each costs ~0.5 ms of Python dispatch
-    if capacity >= value.numel():  # a small product: all of it, by max-plus
-        (value,) = torch.ops.higher_order.cond(low.any(), _exact_branch, _keep_branch, (x, y, value, low))
-        return value
-    # one cond per product: each more costs seconds of capture on a long chain (make_fx traces its
-    # branches and their backward), and nested ones are retraced once per enclosing trace
-    entries = functools.partial(_entries_branch, capacity)
-    (value,) = torch.ops.higher_order.cond(low.any(), entries, _keep_branch, (x, y, value, low))
-    # more underflowed entries than that (a large product stiffer than Fig. 4's chain at its start):
-    # the step is redone eagerly, where every entry is repaired
-    _DEFERRED_FLAGS.get().append(low.sum() > capacity)
+    # the entries alone, or a small product whole by max-plus. One cond per product: each more costs
+    # ~0.5 ms a replay and seconds of capture, and a nested one is retraced once per enclosing trace
+    small = capacity >= value.numel()
+    repair = _exact_branch if small else functools.partial(_entries_branch, capacity)
+    (value,) = torch.ops.higher_order.cond(low.any(), repair, _keep_branch, (x, y, value, low))
+    if not small:  # more underflowed entries than the capacity: the step is redone eagerly
+        _DEFERRED_FLAGS.get().append(low.sum() > capacity)
     return value
 
 
