@@ -19,9 +19,9 @@ from pyro.infer import SVI
 from pyro_tmc import IWAE_ELBO, TMC_ELBO, TMC_RWS
 
 try:
-    from .test_compiled import _cases, chain_guide, toy_guide, toy_model
+    from .test_compiled import _cases, chain_guide, chain_model, toy_guide, toy_model
 except ImportError:  # tests/ is not a package: pytest puts it on sys.path
-    from test_compiled import _cases, chain_guide, toy_guide, toy_model
+    from test_compiled import _cases, chain_guide, chain_model, toy_guide, toy_model
 
 
 def _params():
@@ -46,9 +46,12 @@ def _replay_and_eager(make_loss, model, guide, args, mode="graph", **loss_kwargs
             loss.loss_and_grads(model, guide, *args)
         params = _params()
         state = torch.get_rng_state()
+        cuda_state = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
         replayed = _one_step(lambda: loss.loss_and_grads(model, guide, *args), params)
     assert loss.step_program.captures == 1 and loss.step_program.replays == 1
     torch.set_rng_state(state)
+    if cuda_state is not None:
+        torch.cuda.set_rng_state_all(cuda_state)
     eager = _one_step(lambda: loss._eager_loss_and_grads(model, guide, args, {}), params)
     return replayed, eager
 
@@ -387,6 +390,31 @@ def test_a_stiff_chain_is_repaired_inside_the_graph():
     _assert_same(
         *_replay_and_eager(make_loss, stiff_chain_model, chain_guide, (torch.tensor(0.7), 40)), rtol=1e-4
     )
+
+
+def device_chain_guide(x, N):
+    """``chain_guide`` with its parameters on the data's device."""
+    loc = pyro.param("chain_loc", lambda: 0.1 * torch.arange(N, dtype=x.dtype, device=x.device))
+    log_scale = pyro.param("chain_log_scale", lambda: -0.5 * x.new_ones(N))
+    for i in pyro.markov(range(1, N + 1)):
+        pyro.sample(f"z_{i}", dist.Normal(loc[i - 1], log_scale[i - 1].exp()))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("stiff", [False, True], ids=["chain", "stiff_chain"])
+def test_replayed_step_equals_eager_step_cuda(stiff):
+    """On CUDA the replay draws from the GPU's generator and repairs stiff links in the graph."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+
+    def make_loss(**kwargs):
+        loss = TMC_ELBO(num_samples=16, max_plate_nesting=0, **kwargs)
+        loss.step_program.choose_faster = False
+        return loss
+
+    model = stiff_chain_model if stiff else chain_model
+    x = torch.tensor(0.7, device="cuda")
+    _assert_same(*_replay_and_eager(make_loss, model, device_chain_guide, (x, 40)), rtol=1e-4)
 
 
 def test_a_failed_inductor_compile_replays_uncompiled(monkeypatch):
