@@ -288,6 +288,19 @@ def capture_step(
     return graph, recorded[-1]
 
 
+def _write_code(graph: torch.fx.GraphModule) -> None:
+    """
+    Write the Python code of a lazy graph and of its submodules (``cond``'s branches) now.
+    Dynamo will not trace a lazy graph's stand-in forward, and inlines ``cond``'s branches:
+    a branch never run yet would make inductor refuse the whole step.
+    """
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    for module in graph.modules():
+        if isinstance(module, _LazyGraphModule):
+            module.real_recompile()
+
+
 def _fallback_reason(error: Exception) -> str:
     """Why tracing failed, in the user's terms where the tracer's message is about its own."""
     message = f"{type(error).__name__}: {error}"
@@ -444,6 +457,7 @@ class StepProgram:
         captured = CapturedStep(program, graph, names, specs, structure, [eager_seconds])
         if self.mode == "inductor" and not self._too_large(program):
             options = {"dynamic": False, **self.options}
+            _write_code(program)
             captured.program = keeping_validation_default(torch.compile(program, **options))
             captured.uncompiled = program
             captured.eager_seconds = None  # compiled: not timed against eager

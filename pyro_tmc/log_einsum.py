@@ -334,17 +334,21 @@ def _graph_log_matmul_exp(
         return fast.to(x.dtype)
     # torch.ops.higher_order.cond, not torch.cond: the latter traces its branches with
     # dynamo, whose dynamic shapes fail here; the operator itself traces them with make_fx.
-    # cond refuses operands that alias (slices of one stack), and gradients laid out unlike
-    x, y, value, low = (t.clone(memory_format=torch.contiguous_format) for t in (x, y, fast.to(x.dtype), low))
-    capacity = repair_capacity(value.numel())
+    # The operands go in flat and contiguous: cond refuses operands that alias (slices of one
+    # stack), and inductor may lay out a matrix batch unlike the branch it compiled for it (it
+    # then fails an assertion), where a flat tensor has one layout.
+    flat = [t.reshape(-1).clone() for t in (x, y, fast.to(x.dtype), low)]
+    capacity = repair_capacity(fast.numel())
     # the entries alone, or a small product whole by max-plus. One cond per product: each more costs
     # ~0.5 ms a replay and seconds of capture, and a nested one is retraced once per enclosing trace
-    small = capacity >= value.numel()
-    repair = _exact_branch if small else functools.partial(_entries_branch, capacity)
-    (value,) = torch.ops.higher_order.cond(low.any(), repair, _keep_branch, (x, y, value, low))
+    small = capacity >= fast.numel()
+    shapes = (x.shape, y.shape, fast.shape)
+    entries = functools.partial(_entries_branch, capacity, shapes)
+    repair = functools.partial(_exact_branch, shapes) if small else entries
+    (value,) = torch.ops.higher_order.cond(low.any(), repair, _keep_branch, tuple(flat))
     if not small:  # more underflowed entries than the capacity: the step is redone eagerly
         _DEFERRED_FLAGS.get().append(low.sum() > capacity)
-    return value
+    return value.reshape(fast.shape)
 
 
 def repair_capacity(num_entries: int) -> int:
@@ -359,16 +363,21 @@ def repair_capacity(num_entries: int) -> int:
     return max(4096, num_entries // 8)
 
 
+_Shapes = Tuple[torch.Size, torch.Size, torch.Size]
+
+
 def _entries_branch(
-    capacity: int, x: torch.Tensor, y: torch.Tensor, fast: torch.Tensor, low: torch.Tensor
+    capacity: int, shapes: _Shapes, x: torch.Tensor, y: torch.Tensor, fast: torch.Tensor, low: torch.Tensor
 ) -> Tuple[torch.Tensor]:
     """
     The max-plus value of each underflowed entry (at most ``capacity``), the fast
-    value elsewhere. The entries' indices have a static count, as a graph needs:
-    the unused ones point at one extra slot past the end, which is dropped, so
-    neither a value nor a gradient lands twice on a real entry.
+    value elsewhere; operands and result flat, of the ``shapes`` of x, y and the
+    product. The entries' indices have a static count, as a graph needs: the unused
+    ones point at one extra slot past the end, which is dropped, so neither a value
+    nor a gradient lands twice on a real entry.
     """
-    shape, size = fast.shape, fast.numel()
+    x, y = x.reshape(shapes[0]), y.reshape(shapes[1])
+    shape, size = shapes[2], fast.numel()
     rows, columns = shape[-2], shape[-1]
     index = torch.nonzero_static(low.reshape(-1), size=capacity, fill_value=size).squeeze(-1)
     entry = index.clamp(max=size - 1)  # the unused indices read a real entry; their values are dropped
@@ -378,15 +387,16 @@ def _entries_branch(
     x_rows = x.expand(batch + x.shape[-2:]).reshape(-1, rows, x.size(-1))[matrix, row]
     y_columns = y.expand(batch + y.shape[-2:]).reshape(-1, y.size(-2), columns)[matrix, :, column]
     exact = exact_logsumexp(x_rows + y_columns, [-1])
-    padded = torch.cat([fast.reshape(-1), fast.new_zeros(1)])
-    return (padded.index_put((index,), exact)[:size].reshape(shape),)
+    padded = torch.cat([fast, fast.new_zeros(1)])
+    return (padded.index_put((index,), exact)[:size],)
 
 
 def _exact_branch(
-    x: torch.Tensor, y: torch.Tensor, fast: torch.Tensor, low: torch.Tensor
+    shapes: _Shapes, x: torch.Tensor, y: torch.Tensor, fast: torch.Tensor, low: torch.Tensor
 ) -> Tuple[torch.Tensor]:
-    """The max-plus product of every entry: exact, never underflows (``K^3`` terms per matrix pair)."""
-    return (exact_logsumexp(x.unsqueeze(-1) + y.unsqueeze(-3), [-2]).contiguous(),)
+    """The max-plus product of every entry, flat: exact, never underflows (``K^3`` terms per matrix pair)."""
+    x, y = x.reshape(shapes[0]), y.reshape(shapes[1])
+    return (exact_logsumexp(x.unsqueeze(-1) + y.unsqueeze(-3), [-2]).reshape(-1),)
 
 
 def _keep_branch(

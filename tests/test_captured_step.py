@@ -392,6 +392,28 @@ def test_a_stiff_chain_is_repaired_inside_the_graph():
     )
 
 
+def test_inductor_compiles_a_step_that_repairs_itself():
+    """
+    Inductor compiles a captured step holding ``cond`` repairs (no fallback warning:
+    ``_replay_and_eager`` makes one an error) and replays the eager step's value and
+    gradients. A repair branch that had not yet run was left as a lazy graph, which
+    dynamo refuses to trace (the whole step then replayed uncompiled, with a warning).
+    """
+    pytest.importorskip("torch._inductor")
+    torch._dynamo.reset()
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+
+    def make_loss(**kwargs):
+        loss = TMC_ELBO(num_samples=4, max_plate_nesting=0, **kwargs)
+        loss.step_program.choose_faster = False
+        return loss
+
+    args = (torch.tensor(0.7), 6)
+    replayed, eager = _replay_and_eager(make_loss, stiff_chain_model, chain_guide, args, mode="inductor")
+    _assert_same(replayed, eager, rtol=1e-4)
+
+
 def device_chain_guide(x, N):
     """``chain_guide`` with its parameters on the data's device."""
     loc = pyro.param("chain_loc", lambda: 0.1 * torch.arange(N, dtype=x.dtype, device=x.device))
