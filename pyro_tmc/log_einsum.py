@@ -379,13 +379,16 @@ def _entries_branch(
     x, y = x.reshape(shapes[0]), y.reshape(shapes[1])
     shape, size = shapes[2], fast.numel()
     rows, columns = shape[-2], shape[-1]
-    index = torch.nonzero_static(low.reshape(-1), size=capacity, fill_value=size).squeeze(-1)
-    entry = index.clamp(max=size - 1)  # the unused indices read a real entry; their values are dropped
-    matrix, row, column = entry // (rows * columns), (entry // columns) % rows, entry % columns
-    # advanced indexing, so that the gradients come back laid out as the operands (cond needs that)
+    # coordinates, not flat indices: a compiled branch would divide them again for every term
+    coordinates = torch.nonzero_static(low.reshape(-1, rows, columns), size=capacity, fill_value=-1)
+    matrix, row, column = coordinates.clamp(min=0).unbind(-1)  # unused slots read entry 0, dropped below
+    index = torch.where(coordinates[:, 0] >= 0, (matrix * rows + row) * columns + column, size)
+    # advanced indexing, so that the gradients come back laid out as the operands (cond needs that);
+    # y's columns as rows, so that each entry reads contiguous terms
     batch = shape[:-2]
     x_rows = x.expand(batch + x.shape[-2:]).reshape(-1, rows, x.size(-1))[matrix, row]
-    y_columns = y.expand(batch + y.shape[-2:]).reshape(-1, y.size(-2), columns)[matrix, :, column]
+    y_t = y.expand(batch + y.shape[-2:]).reshape(-1, y.size(-2), columns).transpose(-1, -2).contiguous()
+    y_columns = y_t[matrix, column]
     exact = exact_logsumexp(x_rows + y_columns, [-1])
     padded = torch.cat([fast, fast.new_zeros(1)])
     return (padded.index_put((index,), exact)[:size],)
