@@ -6,6 +6,7 @@ the replay and the eager step see the same draw, and their values and gradients
 must agree to float precision.
 """
 
+import functools
 import math
 import warnings
 
@@ -373,6 +374,13 @@ def stiff_chain_model(x, N):
     pyro.sample("x", dist.Normal(z, 1.0), obs=x)
 
 
+def chain_loss(num_samples: int, **kwargs) -> TMC_ELBO:
+    """A chain's loss whose captured step always replays (never gives way to the eager step)."""
+    loss = TMC_ELBO(num_samples=num_samples, max_plate_nesting=0, **kwargs)
+    loss.step_program.choose_faster = False
+    return loss
+
+
 def test_a_stiff_chain_is_repaired_inside_the_graph():
     """
     Links of thousands of nats underflow float64's shifted products: the graph repairs
@@ -382,10 +390,7 @@ def test_a_stiff_chain_is_repaired_inside_the_graph():
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
 
-    def make_loss(**kwargs):
-        loss = TMC_ELBO(num_samples=16, max_plate_nesting=0, **kwargs)
-        loss.step_program.choose_faster = False
-        return loss
+    make_loss = functools.partial(chain_loss, 16)
 
     _assert_same(
         *_replay_and_eager(make_loss, stiff_chain_model, chain_guide, (torch.tensor(0.7), 40)), rtol=1e-4
@@ -404,10 +409,7 @@ def test_inductor_compiles_a_step_that_repairs_itself():
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
 
-    def make_loss(**kwargs):
-        loss = TMC_ELBO(num_samples=4, max_plate_nesting=0, **kwargs)
-        loss.step_program.choose_faster = False
-        return loss
+    make_loss = functools.partial(chain_loss, 4)
 
     args = (torch.tensor(0.7), 6)
     replayed, eager = _replay_and_eager(make_loss, stiff_chain_model, chain_guide, args, mode="inductor")
@@ -429,10 +431,7 @@ def test_replayed_step_equals_eager_step_cuda(stiff):
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
 
-    def make_loss(**kwargs):
-        loss = TMC_ELBO(num_samples=16, max_plate_nesting=0, **kwargs)
-        loss.step_program.choose_faster = False
-        return loss
+    make_loss = functools.partial(chain_loss, 16)
 
     model = stiff_chain_model if stiff else chain_model
     x = torch.tensor(0.7, device="cuda")
