@@ -68,6 +68,17 @@ ELEMENTWISE_DRAWS = {
     aten.binomial.default,
 }
 
+#: normal draws whose numbers, on the CPU generator, come out the same drawn one by one or at once
+#: where each draw holds a multiple of 16 numbers: torch fills a normal tensor 16 numbers at a
+#: time, in memory order (``normal_fill``), so one stacked draw continues where each would
+NORMAL_DRAWS = {
+    aten.normal_functional.default,
+    aten.normal.Tensor_Tensor,
+    aten.normal.Tensor_float,
+    aten.normal.float_Tensor,
+    aten.randn_like.default,
+}
+
 #: a chain of additions shorter than this is left as it is
 MIN_SUM_CHAIN = 3
 
@@ -88,6 +99,22 @@ def _value(node: Node) -> Any:
 def _is_random(node: Node) -> bool:
     target = node.target
     return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
+
+
+def _draws_exactly_at_once(node: Node) -> bool:
+    """
+    Whether stacking this draw with the draws like it that follow it gives the numbers
+    they draw one by one (:data:`NORMAL_DRAWS`; ``tests/test_loop_rolling.py`` checks it).
+    """
+    value = _value(node)
+    return (
+        node.target in NORMAL_DRAWS
+        and isinstance(value, torch.Tensor)
+        and value.device.type == "cpu"
+        and value.dtype in (torch.float32, torch.float64)
+        and value.numel() > 0
+        and value.numel() % 16 == 0
+    )
 
 
 def _signature(value: Any) -> Any:
@@ -291,7 +318,9 @@ class Group:
 
 def _group_key(node: Node, level: int, batch_draws: bool) -> Optional[tuple]:
     """What a node must share with the others of its group; ``None``: it runs on its own."""
-    if node.op != "call_function" or (_is_random(node) and not batch_draws) or _mutates(node):
+    if node.op != "call_function" or _mutates(node):
+        return None
+    if _is_random(node) and not (batch_draws or _draws_exactly_at_once(node)):
         return None
     target = node.target
     if not (isinstance(target, torch._ops.OpOverload) or target is operator.getitem):
@@ -319,15 +348,22 @@ def plan_groups(graph: Graph, batch_draws: bool = False) -> List[List[Group]]:
 
     :param bool batch_draws: whether random draws of one level are batched too (the same
         distribution, but not the same numbers as one by one from the same generator state).
+        Without it, a run of like normal draws on the CPU is batched where that draws the
+        same numbers (:func:`_draws_exactly_at_once`).
     """
     after, pinned = mutation_order(graph)
     level = levels(graph, after)
     by_key: Dict[tuple, List[Node]] = defaultdict(list)
     singles: List[Node] = []
+    run, last_draw = 0, None  # draws batched exactly: only a run of like draws, none other between
     for node in graph.nodes:
         if node.op != "call_function":
             continue
         key = None if node in pinned else _group_key(node, level[node], batch_draws)
+        if _is_random(node) and not batch_draws:
+            run += key is None or key != last_draw
+            last_draw = key
+            key = None if key is None else key + (run,)
         if key is None:
             singles.append(node)
         else:

@@ -83,6 +83,33 @@ def test_long_chain_rolls_to_a_size_that_does_not_grow_with_its_length():
     assert long_rolled < short_rolled + 250 and long_rolled < long_unrolled / 3, sizes
 
 
+def _draws(graph) -> int:
+    return sum(
+        isinstance(n.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in n.target.tags
+        for n in graph.graph.nodes
+    )
+
+
+@pytest.mark.parametrize("num_samples", [16, 12])
+def test_like_normal_draws_batch_where_the_numbers_stay_the_same(num_samples):
+    """
+    Rolled without ``batch_draws``, a run of like normal draws on the CPU becomes one
+    draw where each holds a multiple of 16 numbers (torch fills normal tensors 16 at
+    a time, so the stacked draw continues where each would); the others stay one by one.
+    Either way the rolled graph draws the unrolled graph's numbers.
+    """
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    loss = TMC_ELBO(num_samples=num_samples, max_plate_nesting=0)
+    graph, inputs = _captured(loss, chain_model, chain_guide, (torch.tensor(0.3), 24))
+    rolled = roll(graph, inputs, batch_draws=False)
+    _same_outputs(graph, rolled, inputs)
+    if num_samples % 16 == 0:
+        assert _draws(rolled) <= 2 < 24 <= _draws(graph)
+    else:
+        assert _draws(rolled) == _draws(graph) >= 24
+
+
 def test_mutations_keep_their_order():
     """Writes into slices of a buffer, between reads of it, at one level of the graph."""
 
