@@ -505,11 +505,15 @@ class StepProgram:
             return eager_step(args, kwargs)
         rng_state = _rng_state(params + arguments)
         start = time.perf_counter()
-        try:
+
+        def run() -> tuple:
             # the graph holds the step's backward as operations: replayed, it needs no autograd (a
             # cond run under autograd would trace its branches again at every call, ~7 ms each)
             with torch.no_grad():
-                loss, underflow, *grads = captured.program(*params, *arguments)
+                return captured.program(*params, *arguments)
+
+        try:
+            loss, underflow, *grads = run()
         except Exception as error:  # inductor compiles at the first replay: it may fail there
             if captured.uncompiled is None:
                 raise
@@ -522,8 +526,7 @@ class StepProgram:
             )
             captured.program, captured.uncompiled = captured.uncompiled, None
             _set_rng_state(rng_state)
-            with torch.no_grad():
-                loss, underflow, *grads = captured.program(*params, *arguments)
+            loss, underflow, *grads = run()
         captured.attempts += 1
         if bool(underflow) or not torch.isfinite(loss):
             _set_rng_state(rng_state)  # the same draw, eagerly: products repaired, a bad site named

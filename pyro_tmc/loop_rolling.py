@@ -361,7 +361,8 @@ def plan_groups(graph: Graph, batch_draws: bool = False) -> List[List[Group]]:
             continue
         key = None if node in pinned else _group_key(node, level[node], batch_draws)
         if _is_random(node) and not batch_draws:
-            run += key is None or key != last_draw
+            if key is None or key != last_draw:  # another draw came between: a new run
+                run += 1
             last_draw = key
             key = None if key is None else key + (run,)
         if key is None:
