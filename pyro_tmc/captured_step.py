@@ -62,7 +62,7 @@ from pyro.poutine.messenger import Messenger
 
 from ._pyro import param_store_holding
 from .compiled import MODES, GraphFallback, keeping_validation_default, warn_fallback
-from .log_einsum import any_flag, deferred_underflow_checks
+from .log_einsum import any_flag, counting_repairs, deferred_underflow_checks
 from .loop_rolling import count_operations, roll
 
 #: keys captured per loss: an argument whose shape changes every step stops being captured after this many
@@ -241,12 +241,20 @@ def _spec(tensor: torch.Tensor) -> tuple:
 
 
 def capture_step(
-    differentiable_loss: Callable, param_names: List[str], arguments: List[torch.Tensor], rebuild: Callable
+    differentiable_loss: Callable,
+    param_names: List[str],
+    arguments: List[torch.Tensor],
+    rebuild: Callable,
+    repair_counts: Optional[list] = None,
 ) -> Tuple[torch.fx.GraphModule, List[tuple]]:
     """
     Trace ``differentiable_loss(*args, **kwargs)`` and its gradient with respect
     to the named parameters into one graph of ``(params..., arguments...) ->
     (loss, underflow, grads...)``.
+
+    :param list repair_counts: how many entries each log-space matrix product of
+        an eager run of the step repaired (:func:`~pyro_tmc.log_einsum.counting_repairs`):
+        the graph's repairs are sized to them.
 
     :returns: the graph and the structure it recorded.
     :raises GraphFallback: where tracing fails (a branch on values, a tensor read
@@ -267,7 +275,7 @@ def capture_step(
         with param_store_holding(dict(zip(param_names, leaves))), _ModulesHolding(holders, leaves):
             with (
                 pyro.validation_enabled(False),
-                deferred_underflow_checks(repair_in_graph=True) as flags,
+                deferred_underflow_checks(repair_in_graph=True, repair_counts=repair_counts) as flags,
                 recorder,
             ):
                 loss = differentiable_loss(*args, **kwargs)
@@ -339,6 +347,7 @@ class StepProgram:
         self._outputs_reused = self.options.get("mode") in ("reduce-overhead", "max-autotune")
         self._steps: Dict[tuple, CapturedStep] = {}
         self._seen: Dict[tuple, int] = {}  # key -> steps taken
+        self._refitted: set = set()  # keys captured again because their repairs were too small
         self.max_inductor_nodes = MAX_INDUCTOR_NODES
         self.roll_above = ROLL_ABOVE
         #: whether a rolled step batches its random draws too: fewer operations, but not the
@@ -352,7 +361,7 @@ class StepProgram:
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)  # graphs do not pickle: a copy captures its own
-        state["_steps"], state["_seen"] = {}, {}
+        state["_steps"], state["_seen"], state["_refitted"] = {}, {}, set()
         return state
 
     def loss_and_grads(
@@ -434,12 +443,14 @@ class StepProgram:
     def _capture(self, key, differentiable_loss, arguments, rebuild, eager_step, args, kwargs) -> float:
         recorder = StructureRecorder()
         start = time.perf_counter()
-        with recorder:  # the parameters this step reads, from an eager run (also this step's result)
+        # the parameters this step reads, and how many entries its products repair, from an
+        # eager run (also this step's result)
+        with recorder, counting_repairs() as repair_counts:
             loss = eager_step(args, kwargs)
         eager_seconds = time.perf_counter() - start
         names = recorder.param_names
         try:
-            graph, structure = capture_step(differentiable_loss, names, arguments, rebuild)
+            graph, structure = capture_step(differentiable_loss, names, arguments, rebuild, repair_counts)
         except GraphFallback as reason:
             self._steps[key] = CapturedStep(None, None, names, [], [])
             _warn_fallback(str(reason))
@@ -547,8 +558,18 @@ class StepProgram:
         return value
 
     def _give_up_if_mostly_redone(self, captured: CapturedStep) -> None:
-        """A key whose replays mostly underflow (a stiff chain) runs eagerly: each would be paid twice."""
-        if captured.attempts >= TIMED_REPLAYS + 1 and 2 * captured.redone > captured.attempts:
+        """
+        A key whose replays mostly underflow (a stiff chain) is captured once more, its
+        repairs sized to the step then (the chain may have grown stiffer since the
+        capture); if that happens again, it runs eagerly: each step would be paid twice.
+        """
+        if captured.attempts < TIMED_REPLAYS + 1 or 2 * captured.redone <= captured.attempts:
+            return
+        key = next(k for k, v in self._steps.items() if v is captured)
+        if key not in self._refitted:
+            self._refitted.add(key)
+            del self._steps[key]  # the next step captures it again
+        else:
             captured.program = None
             warnings.warn(
                 f"pyro_tmc: {captured.redone} of {captured.attempts} replays of this loss's captured "

@@ -30,7 +30,9 @@ caller recomputes eagerly when one is set. A matrix product in a graph
 (:func:`log_matmul_exp`, a chain's links) is repaired in the graph instead: taken
 in float64, and where even that underflows, by max-plus through ``torch.cond``: the
 underflowed entries alone, a static number of them at most, else the whole product.
-So a stiff chain's captured steps are not each redone eagerly.
+So a stiff chain's captured steps are not each redone eagerly. That number is fitted to
+the entries the eager step before the capture repaired, product by product
+(:func:`counting_repairs`): a repair's work follows its capacity, not its need.
 
 Reference: the max-plus (tropical) product as the exact shift, e.g. Rush,
 "Torch-Struct: Deep Structured Prediction Library", ACL 2020 (its log semiring).
@@ -63,6 +65,18 @@ _DEFERRED_FLAGS: contextvars.ContextVar[Optional[List[torch.Tensor]]] = contextv
 #: while a whole step is traced: whether a matrix product repairs itself in the graph
 _REPAIR_IN_GRAPH: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "pyro_tmc_repair_in_graph", default=False
+)
+
+#: while an eager step runs (:func:`counting_repairs`): the list that collects each matrix
+#: product's shape and how many of its entries it recomputed exactly, in order
+_REPAIR_COUNTS: contextvars.ContextVar[Optional[List[Tuple[torch.Size, int]]]] = contextvars.ContextVar(
+    "pyro_tmc_repair_counts", default=None
+)
+
+#: while a whole step is traced: the counts an eager run of it collected, to size each product's
+#: repair (:func:`repair_capacity`), and how many of them the trace has used
+_REPAIR_HINTS: contextvars.ContextVar[Optional["_RepairHints"]] = contextvars.ContextVar(
+    "pyro_tmc_repair_hints", default=None
 )
 
 
@@ -118,7 +132,50 @@ def underflow_floor(dtype: torch.dtype, num_terms: int) -> float:
 
 
 @contextmanager
-def deferred_underflow_checks(repair_in_graph: bool = False) -> Iterator[List[torch.Tensor]]:
+def counting_repairs() -> Iterator[List[Tuple[torch.Size, int]]]:
+    """
+    Within this context, each eager matrix product (:func:`log_matmul_exp`) appends its
+    shape and how many of its entries it recomputed exactly (those even float64 could
+    not hold) to the list yielded, in the order the products run. A step captured
+    after it sizes each product's in-graph repair by these counts
+    (``deferred_underflow_checks(repair_counts=...)``).
+    """
+    counts: List[Tuple[torch.Size, int]] = []
+    token = _REPAIR_COUNTS.set(counts)
+    try:
+        yield counts
+    finally:
+        _REPAIR_COUNTS.reset(token)
+
+
+class _RepairHints:
+    """The counts of :func:`counting_repairs`, read one product at a time by a trace."""
+
+    def __init__(self, counts: List[Tuple[torch.Size, int]]) -> None:
+        self.counts = counts
+        self.used = 0
+        self.aligned = True
+
+    def next(self, shape: torch.Size) -> Optional[int]:
+        """
+        The count of the next product, of ``shape``; ``None`` where unknown: the
+        trace's products no longer line up with the eager step's. No count at all
+        means the eager step ran no product of its own (a compiled estimate held
+        them all in float32, so none underflows float64): 0.
+        """
+        if not self.counts:
+            return 0
+        if not self.aligned or self.used >= len(self.counts) or self.counts[self.used][0] != shape:
+            self.aligned = False
+            return None
+        self.used += 1
+        return self.counts[self.used - 1][1]
+
+
+@contextmanager
+def deferred_underflow_checks(
+    repair_in_graph: bool = False, repair_counts: Optional[List[Tuple[torch.Size, int]]] = None
+) -> Iterator[List[torch.Tensor]]:
     """
     Within this context (a graph being traced, where no branch on tensor values
     can run) no product is repaired: each appends a boolean scalar tensor, set
@@ -130,13 +187,18 @@ def deferred_underflow_checks(repair_in_graph: bool = False) -> Iterator[List[to
         repairs itself in the graph, through ``torch.cond``, instead of flagging.
         Only for a graph whose backward is traced too: ``torch.cond``'s gradient is
         a custom ``autograd.Function``, which an estimate-only graph would drop.
+    :param list repair_counts: what :func:`counting_repairs` collected from an
+        eager run of what is traced: each product's repair is sized by its count
+        (:func:`repair_capacity`). ``None``: every product gets the default size.
     """
     flags: List[torch.Tensor] = []
     token = _DEFERRED_FLAGS.set(flags)
     repair_token = _REPAIR_IN_GRAPH.set(repair_in_graph)
+    hints_token = _REPAIR_HINTS.set(None if repair_counts is None else _RepairHints(repair_counts))
     try:
         yield flags
     finally:
+        _REPAIR_HINTS.reset(hints_token)
         _REPAIR_IN_GRAPH.reset(repair_token)
         _DEFERRED_FLAGS.reset(token)
 
@@ -164,6 +226,7 @@ def _log_plus_shifts(
     wide_sum: Callable[[], torch.Tensor],
     exact_at: Callable[[torch.Tensor], torch.Tensor],
     num_terms: int,
+    counted: Optional[Callable[[int], None]] = None,
 ) -> torch.Tensor:
     """
     ``log(shifted_sum) + sum(shifts)``, a log-space product, with its underflowed
@@ -175,12 +238,15 @@ def _log_plus_shifts(
     still below float64's floor by ``exact_at(index)`` (``index``: their
     multi-indices, one row per entry), in chunks of at most
     :data:`EXACT_CHUNK_ELEMENTS` terms. Under :func:`deferred_underflow_checks`,
-    nothing is replaced and a flag is recorded.
+    nothing is replaced and a flag is recorded. Eagerly, ``counted`` (if given) is
+    called with how many entries were recomputed exactly.
     """
     low = shifted_sum < underflow_floor(shifted_sum.dtype, num_terms)
     flags = _DEFERRED_FLAGS.get()
+    counted = counted or (lambda count: None)
     if flags is None and not low.any():  # one reduction, and the only sync
         # the common case: every sum far above 0, so a plain log (finite gradient) will do
+        counted(0)
         return _plus(shifted_sum.log(), shifts)
     result = _plus(safe_log(shifted_sum), shifts)
     if flags is not None:
@@ -193,6 +259,7 @@ def _log_plus_shifts(
         result = torch.where(suspect, wide_result, result)
         suspect = suspect & (wide < underflow_floor(torch.float64, num_terms))
     flat = suspect.expand(result.shape).reshape(-1).nonzero().squeeze(-1)
+    counted(flat.numel())
     if not flat.numel():
         return result
     chunk = max(1, EXACT_CHUNK_ELEMENTS // max(num_terms, 1))
@@ -338,7 +405,8 @@ def _graph_log_matmul_exp(
     # stack), and inductor may lay out a matrix batch unlike the branch it compiled for it (it
     # then fails an assertion), where a flat tensor has one layout.
     flat = [t.reshape(-1).clone() for t in (x, y, fast.to(x.dtype), low)]
-    capacity = repair_capacity(fast.numel())
+    hints = _REPAIR_HINTS.get()
+    capacity = repair_capacity(fast.numel(), None if hints is None else hints.next(fast.shape))
     # the entries alone, or a small product whole by max-plus. One cond per product: each more costs
     # ~0.5 ms a replay and seconds of capture, and a nested one is retraced once per enclosing trace
     small = capacity >= fast.numel()
@@ -351,16 +419,24 @@ def _graph_log_matmul_exp(
     return value.reshape(fast.shape)
 
 
-def repair_capacity(num_entries: int) -> int:
+def repair_capacity(num_entries: int, needed: Optional[int] = None) -> int:
     """
     How many underflowed entries of a product of ``num_entries`` entries the graph
-    repairs one by one (``K`` terms each): an eighth, and at least 4,096, so that a
-    small product is repaired whole however stiff. Beyond that the step is redone
-    eagerly. Fig. 4's 1,000-link chain at K=32 and its guide's initial values
-    underflows 9% of the first tree level's entries in float64, 2% of the second's,
-    and almost none after.
+    repairs one by one (``K`` terms each); beyond that the step is redone eagerly.
+    A repair costs its capacity whatever the need, so where an eager run of the
+    step ``needed`` some number (:func:`counting_repairs`), the capacity is half as
+    much again plus 64, no more than the default unless the need is. The default:
+    an eighth, and at least 4,096, so that a small product is repaired whole
+    however stiff. Fig. 4's 1,000-link chain at K=32 and its guide's initial values
+    needs 50.7-52.9k of the first tree level's 511k entries, 6.0-7.2k of the
+    second's 256k, 100-210 of the third's 128k, and none after (eight draws); the
+    100-link chain 0-6 of the first level's 50k, in a third of its draws.
     """
-    return max(4096, num_entries // 8)
+    default = max(4096, num_entries // 8)
+    if needed is None:
+        return default
+    fitted = min(num_entries, math.ceil(1.5 * needed) + 64)
+    return min(fitted, default) if needed <= default else fitted
 
 
 _Shapes = Tuple[torch.Size, torch.Size, torch.Size]
@@ -424,7 +500,9 @@ def log_matmul_exp(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         exp_or_zero(x.double() - x_shift.double()), exp_or_zero(y.double() - y_shift.double())
     )
     exact_at = functools.partial(_exact_matmul_entries, x, y)
-    return _log_plus_shifts(shifted_sum, [x_shift, y_shift], live, wide_sum, exact_at, x.size(-1))
+    counts = _REPAIR_COUNTS.get()
+    counted = None if counts is None else lambda count: counts.append((shifted_sum.shape, count))
+    return _log_plus_shifts(shifted_sum, [x_shift, y_shift], live, wide_sum, exact_at, x.size(-1), counted)
 
 
 def sequential_log_matmul_exp(logits: torch.Tensor) -> torch.Tensor:
@@ -444,6 +522,7 @@ def sequential_log_matmul_exp(logits: torch.Tensor) -> torch.Tensor:
 __all__ = [
     "any_flag",
     "checks_deferred",
+    "counting_repairs",
     "deferred_underflow_checks",
     "einsum",
     "exact_logsumexp",

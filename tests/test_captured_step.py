@@ -6,6 +6,7 @@ the replay and the eager step see the same draw, and their values and gradients
 must agree to float precision.
 """
 
+import contextlib
 import functools
 import math
 import warnings
@@ -395,6 +396,48 @@ def test_a_stiff_chain_is_repaired_inside_the_graph():
     _assert_same(
         *_replay_and_eager(make_loss, stiff_chain_model, chain_guide, (torch.tensor(0.7), 40)), rtol=1e-4
     )
+
+
+@pytest.mark.parametrize("undersized", ["first capture", "every capture"])
+def test_a_step_whose_repairs_are_too_small_is_captured_again(monkeypatch, undersized):
+    """
+    A capture sizes its repairs by the entries its eager step repaired. Sized too small
+    (here: told that none were), every replay overflows and is redone eagerly, with the
+    eager step's value; after four such replays the step is captured once more, sized
+    to that step, and replays without redo. If the second capture is too small as well,
+    the key runs eagerly from then on, with one warning.
+    """
+    from pyro_tmc import captured_step
+
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    captures = []
+
+    @contextlib.contextmanager
+    def counting_none():  # an eager step that reports no repair: every capacity is 64
+        captures.append(1)
+        yield []
+
+    real = captured_step.counting_repairs
+    monkeypatch.setattr(
+        captured_step,
+        "counting_repairs",
+        lambda: counting_none() if undersized == "every capture" or not captures else real(),
+    )
+    loss = chain_loss(16, compile="graph")
+    args = (torch.tensor(0.7), 40)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RuntimeWarning)
+        values = [loss.loss_and_grads(stiff_chain_model, chain_guide, *args) for _ in range(12)]
+    program = loss.step_program
+    (captured,) = program._steps.values()
+    assert all(math.isfinite(v) for v in values)
+    assert program.captures == 2  # steps 1 eager, 2 captured, 3-6 redone, 7 captured again
+    given_up = [w for w in caught if "eagerly from now on" in str(w.message)]
+    if undersized == "first capture":
+        assert not given_up and captured.redone == 0 and program.replays == 5  # steps 8-12
+    else:
+        assert len(given_up) == 1 and captured.program is None and program.replays == 0
 
 
 def test_inductor_compiles_a_step_that_repairs_itself():

@@ -21,6 +21,7 @@ from pyro_tmc import TMC_ELBO, log_einsum
 from pyro_tmc.factors import contract_estimate
 from pyro_tmc.log_einsum import (
     any_flag,
+    counting_repairs,
     deferred_underflow_checks,
     einsum,
     log_matmul_exp,
@@ -285,6 +286,64 @@ def test_graph_repairs_underflowed_entries_alone_and_flags_too_many(monkeypatch)
             with torch.no_grad(), deferred_underflow_checks(repair_in_graph=True):
                 log_matmul_exp(x, y)
         assert taken == [1]
+
+
+def _repair_sizes(graph) -> list:
+    """The static capacities of a traced graph's entry repairs (its ``nonzero_static`` sizes)."""
+    return [
+        node.kwargs["size"]
+        for module in graph.modules()
+        for node in module.graph.nodes
+        if node.target is torch.ops.aten.nonzero_static.default
+    ]
+
+
+def test_repair_capacity_fits_the_need_an_eager_run_saw():
+    """Without a count, the default; with one, half as much again plus 64, capped by the default."""
+    assert log_einsum.repair_capacity(50_176) == 6_272
+    assert log_einsum.repair_capacity(3_072) == 4_096  # small: repaired whole
+    assert log_einsum.repair_capacity(50_176, 0) == 64  # Fig. 4 at N=100: 0-6 entries of 50k
+    assert log_einsum.repair_capacity(256_000, 6_500) == 9_814
+    assert log_einsum.repair_capacity(511_000, 52_000) == 63_875  # the default, above the need
+    assert log_einsum.repair_capacity(4_864, 4_500) == 4_864  # more than the default needed: all
+
+
+def test_graph_repairs_are_sized_by_the_eager_counts():
+    """
+    An eager product reports how many entries it repaired (:func:`counting_repairs`);
+    a trace given those counts sizes its repair to them (not an eighth of the product)
+    and is exact; given a count far below the need, the product is flagged (the step is
+    redone eagerly), never wrong.
+    """
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    x, y = chain_links(40, 16, 0.05, torch.Generator().manual_seed(0))
+    with counting_repairs() as counts:
+        expected = log_matmul_exp(x, y)
+    ((shape, needed),) = counts
+    assert shape == (40, 16, 16) and 0 < needed < log_einsum.repair_capacity(shape.numel()) // 2
+
+    def traced(repair_counts):
+        def product(a, b):
+            with deferred_underflow_checks(repair_in_graph=True, repair_counts=repair_counts) as flags:
+                value = log_matmul_exp(a, b)
+            return value, torch.stack(flags).any()
+
+        return make_fx(product, tracing_mode="fake")(x, y)
+
+    graph = traced(counts)
+    assert _repair_sizes(graph) == [log_einsum.repair_capacity(shape.numel(), needed)]
+    with torch.no_grad():
+        value, flagged = graph(x, y)
+    assert not flagged and torch.allclose(value, expected, rtol=1e-6, atol=1e-6)
+
+    too_few = traced([(shape, 0)])  # capacity 64, against 615 underflowed entries
+    assert _repair_sizes(too_few) == [64]
+    with torch.no_grad():
+        assert bool(too_few(x, y)[1])
+    assert _repair_sizes(traced([(torch.Size([7, 16, 16]), needed)])) == [
+        log_einsum.repair_capacity(shape.numel())
+    ]  # a count for another shape: the products do not line up, the default
 
 
 def test_float64_wide_spread():
