@@ -16,7 +16,10 @@ Cases (each timed as one forward + backward step):
    loc / log-scale per step, as ``tests/models.py``), N=100 and N=1000, K=32:
    ``pyro_tmc.TMC_ELBO``; a hand-written sequential TMC (a forward loop of K x K
    log-matmul-exp messages); a hand-written log-depth contraction (a balanced tree of
-   batched log-matmul-exp over the stacked (N-1, K, K) factors);
+   batched log-matmul-exp over the stacked (N-1, K, K) factors), in float32 as written
+   (it loses the entries that underflow), and exact (float64, then the underflowed entries
+   by max-plus), eagerly and under ``torch.compile`` (static shapes: each level repairs up to
+   a capacity fitted, as pyro_tmc fits its own, to the entries three draws needed);
 3. the toy model at N=128 K=8, where per-step overhead dominates;
 4. an HMM with enumerated states (16 sequences in a plate, T=50 and 200, AutoDelta globals):
    ``pyro_tmc.TMC_ELBO`` against Pyro's own ``TraceEnum_ELBO`` on the same model and guide.
@@ -205,6 +208,68 @@ def exact_tree_contract(f1, F, g) -> torch.Tensor:
     while F.shape[0] > 1:
         n = F.shape[0]
         paired = exact_log_matmul_exp(F[0 : n - 1 : 2], F[1:n:2])
+        F = torch.cat([paired, F[n - 1 :]], 0) if n % 2 else paired
+    if F.shape[0] == 0:
+        return -torch.logsumexp(f1 + g, 0)
+    return -torch.logsumexp((f1[:, None] + F[0] + g[None, :]).reshape(-1), 0)
+
+
+def static_exact_log_matmul_exp(a: torch.Tensor, b: torch.Tensor, capacity: int) -> torch.Tensor:
+    """
+    :func:`exact_log_matmul_exp` with static shapes, for ``torch.compile``: up to ``capacity``
+    underflowed entries (``nonzero_static``; unused slots land on a dropped extra slot) are
+    recomputed by max-plus every call. Beyond ``capacity`` entries it is wrong: a floor for
+    timing only, sized by :func:`repair_counts`.
+    """
+    shift_a = a.detach().amax(-1, keepdim=True)
+    shift_b = b.detach().amax(-2, keepdim=True)
+    s = torch.matmul(
+        (a.double() - shift_a.double()).clamp(min=-700).exp(),
+        (b.double() - shift_b.double()).clamp(min=-700).exp(),
+    )
+    low = s < 1e-290
+    result = (s.clamp(min=1e-290).log() + shift_a.double() + shift_b.double()).to(a.dtype)
+    coordinates = torch.nonzero_static(low, size=capacity, fill_value=-1)
+    batch, i, k = coordinates.clamp(min=0).unbind(-1)
+    rows, columns = result.shape[-2:]
+    flat = torch.where(coordinates[:, 0] >= 0, (batch * rows + i) * columns + k, result.numel())
+    exact = torch.logsumexp(a[batch, i, :] + b.transpose(-1, -2)[batch, k, :], -1)
+    padded = torch.cat([result.reshape(-1), result.new_zeros(1)])
+    return padded.index_put((flat,), exact)[: result.numel()].reshape(result.shape)
+
+
+def repair_counts(f1, F, g) -> List[int]:
+    """How many entries :func:`exact_log_matmul_exp` repairs at each level of the tree, on one draw."""
+    counts = []
+    while F.shape[0] > 1:
+        n = F.shape[0]
+        a, b = F[0 : n - 1 : 2], F[1:n:2]
+        s = torch.matmul(
+            (a.double() - a.amax(-1, keepdim=True).double()).clamp(min=-700).exp(),
+            (b.double() - b.amax(-2, keepdim=True).double()).clamp(min=-700).exp(),
+        )
+        counts.append(int((s < 1e-290).sum()))
+        paired = exact_log_matmul_exp(a, b)
+        F = torch.cat([paired, F[n - 1 :]], 0) if n % 2 else paired
+    return counts
+
+
+def fitted_capacities(draw: Callable[[], tuple], draws: int = 3) -> List[int]:
+    """
+    Each tree level's repair capacity for :func:`static_exact_tree_contract`, sized as pyro_tmc
+    sizes its own (1.5x the most entries ``draws`` draws needed, plus 64): the same work timed.
+    ``draw()`` gives a fresh draw's ``(f1, F, g)``.
+    """
+    with torch.no_grad():
+        needs = [repair_counts(*draw()) for _ in range(draws)]
+    return [math.ceil(1.5 * max(level)) + 64 for level in zip(*needs)]
+
+
+def static_exact_tree_contract(f1, F, g, capacities: List[int]) -> torch.Tensor:
+    """:func:`exact_tree_contract` by :func:`static_exact_log_matmul_exp`, one capacity per level."""
+    for capacity in capacities:
+        n = F.shape[0]
+        paired = static_exact_log_matmul_exp(F[0 : n - 1 : 2], F[1:n:2], capacity)
         F = torch.cat([paired, F[n - 1 :]], 0) if n % 2 else paired
     if F.shape[0] == 0:
         return -torch.logsumexp(f1 + g, 0)
@@ -477,11 +542,24 @@ def chain_case(num_steps: int, num_samples: int, device: str) -> Case:
     ]
     add_compiled_handwritten(case, "hand-written log-depth tree (torch.compile)", tree, device)  # the floor
 
+    capacities = fitted_capacities(lambda: chain_log_factors(x, loc, log_scale, K))
+
+    def static_exact_tree():
+        return static_exact_tree_contract(*chain_log_factors(x, loc, log_scale, K), capacities)
+
+    add_compiled_handwritten(
+        case, "hand-written log-depth tree, exact (torch.compile)", static_exact_tree, device
+    )
+    case.notes.append(f"{case.title}: the compiled exact tree's repair capacities per level: {capacities}")
+
     # the two hand-written contractions on the same particles: same value and gradient
     f1, F, g = chain_log_factors(x, loc, log_scale, K)
     seq = sequential_contract(f1, F, g)
     seq_grads = torch.autograd.grad(seq, (loc, log_scale), retain_graph=True)
     tr = tree_contract(f1, F, g)
+    with torch.no_grad():
+        static = static_exact_tree_contract(f1, F, g, capacities).item()
+    assert abs(static - seq.item()) <= TREE_RTOL * max(abs(seq.item()), 1.0), (static, seq.item())
     tr_grads = torch.autograd.grad(tr, (loc, log_scale))
     diff = abs(seq.item() - tr.item())
     grad_diff = max((a - b).abs().max().item() for a, b in zip(seq_grads, tr_grads))
