@@ -15,7 +15,8 @@ contracted by ``sequential_log_matmul_exp`` (:mod:`pyro_tmc.vectorized_markov`).
   call(s), apart from the step time;
 - ``pyro.markov``: the same chain unrolled, one sample statement per step (frontier's row);
 - the hand-written log-depth tree of ``frontier.py`` (``chain_log_factors`` +
-  ``tree_contract``), eager and under ``torch.compile``.
+  ``tree_contract``), eager and under ``torch.compile``, and its exact twin compiled
+  (``static_exact_tree_contract``: float64, then the underflowed entries by max-plus).
 
 Each step is one forward + backward; medians of interleaved rounds; the last column is the
 time over the eager hand-written tree.
@@ -262,6 +263,15 @@ def chain_case(chain: Chain, K: int, compiled: bool, unrolled: bool) -> frontier
         frontier._backward_step(compiled_tree)()
         case.compile_seconds[f"{TREE}, torch.compile"] = f"{time.perf_counter() - start:.1f}"
         case.steps[f"{TREE}, torch.compile"] = frontier._backward_step(compiled_tree)
+        # the exact tree (float64, then the underflowed entries by max-plus), compiled: what
+        # pyro_tmc computes, by hand
+        capacities = frontier.fitted_capacities(chain.hand_factors)
+
+        def exact_tree():
+            return frontier.static_exact_tree_contract(*chain.hand_factors(), capacities)
+
+        frontier.add_compiled_handwritten(case, f"{TREE}, exact, torch.compile", exact_tree, "cpu")
+        case.careful.remove(f"{TREE}, exact, torch.compile")  # the last column stays "x the eager tree"
     _check_same_estimate(case, chain, K)
     return case
 
