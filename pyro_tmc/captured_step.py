@@ -61,7 +61,7 @@ import pyro
 from pyro.poutine.messenger import Messenger
 
 from ._pyro import param_store_holding
-from .compiled import MODES, GraphFallback, keeping_validation_default, warn_fallback
+from .compiled import MODES, GraphFallback, estimates_eagerly, keeping_validation_default, warn_fallback
 from .log_einsum import any_flag, counting_repairs, deferred_underflow_checks
 from .loop_rolling import count_operations, roll
 
@@ -379,11 +379,16 @@ class StepProgram:
         count = self._seen.get(key, 0)
         self._seen[key] = count + 1
         captured = self._steps.get(key)
-        if count == 0 or (captured is not None and captured.program is None):
+        if captured is not None and captured.program is None:
+            return eager_step(args, kwargs)  # this key runs eagerly for good
+        if captured is None and count > 0 and len(self._steps) >= MAX_CAPTURES:
+            return eager_step(args, kwargs)
+        # the eager steps of a key that is, or will be, captured are few: they compute the estimate
+        # eagerly rather than trace (and compile: 100 s for a 1,000-link chain) an estimate program
+        eager_step = _estimating_eagerly(eager_step)
+        if count == 0:
             return eager_step(args, kwargs)  # the first step of a key runs every check
         if captured is None:
-            if len(self._steps) >= MAX_CAPTURES:
-                return eager_step(args, kwargs)
             with _collection_paused():
                 return self._capture(key, differentiable_loss, arguments, rebuild, eager_step, args, kwargs)
         if count % self.check_every == 0:
@@ -594,6 +599,16 @@ class StepProgram:
         if min(captured.replay_seconds) > min(captured.eager_seconds):
             captured.program = None  # eager from now on; checks and read-outs are unchanged
         captured.eager_seconds = None
+
+
+def _estimating_eagerly(eager_step: Callable) -> Callable:
+    """``eager_step`` with the estimate computed eagerly, not by the loss's estimate program."""
+
+    def step(args, kwargs):
+        with estimates_eagerly():
+            return eager_step(args, kwargs)
+
+    return step
 
 
 @contextlib.contextmanager

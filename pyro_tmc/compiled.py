@@ -33,9 +33,11 @@ default dtype. An object the walker does not know is keyed by its identity, so a
 new one is a new plan rather than a stale constant.
 """
 
+import contextlib
+import contextvars
 import dataclasses
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch.distributions import Distribution
@@ -297,6 +299,27 @@ def check_no_custom_backward(function: Callable, tensors: List[torch.Tensor]) ->
         stack.extend(next_node for next_node, _ in node.next_functions)
 
 
+#: within :func:`estimates_eagerly`: every estimate program gives way to the eager path
+_ESTIMATING_EAGERLY: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "pyro_tmc_estimating_eagerly", default=False
+)
+
+
+@contextlib.contextmanager
+def estimates_eagerly() -> Iterator[None]:
+    """
+    Within this context, :meth:`EstimateProgram.log_estimate` neither builds nor runs a
+    program: the estimate is computed eagerly. For the few eager steps of a captured
+    whole step (:mod:`pyro_tmc.captured_step`), which would otherwise trace and compile
+    an estimate program that the replays never use.
+    """
+    token = _ESTIMATING_EAGERLY.set(True)
+    try:
+        yield
+    finally:
+        _ESTIMATING_EAGERLY.reset(token)
+
+
 class EstimateProgram:
     """
     The cache of traced (and optionally compiled) estimate graphs of one loss,
@@ -329,6 +352,8 @@ class EstimateProgram:
         self, draw, sources: Optional[Dict[str, torch.Tensor]], detach_guide_proposals: bool
     ) -> Optional[torch.Tensor]:
         """``log P_TMC`` of the draw by its plan's program, or ``None`` where the eager path must run."""
+        if _ESTIMATING_EAGERLY.get():
+            return None
         validate_samples(draw.model_trace, draw.guide_trace)
         flat = flatten_draw(draw, sources, detach_guide_proposals)
         program = self._programs.get(flat.key, _MISSING)
