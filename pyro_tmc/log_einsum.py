@@ -154,22 +154,17 @@ class _RepairHints:
     def __init__(self, counts: List[Tuple[torch.Size, int]]) -> None:
         self.counts = counts
         self.used = 0
-        self.aligned = True
 
     def next(self, shape: torch.Size) -> Optional[int]:
         """
-        The count of the next product, of ``shape``; ``None`` where unknown: the
-        trace's products no longer line up with the eager step's. No count at all
-        means the eager step ran no product of its own (a compiled estimate held
-        them all in float32, so none underflows float64): 0.
+        The count of the next product, of ``shape``; ``None`` from the first product
+        that does not line up with the eager step's on (those get the default size).
         """
-        if not self.counts:
-            return 0
-        if not self.aligned or self.used >= len(self.counts) or self.counts[self.used][0] != shape:
-            self.aligned = False
-            return None
-        self.used += 1
-        return self.counts[self.used - 1][1]
+        if self.used < len(self.counts) and self.counts[self.used][0] == shape:
+            self.used += 1
+            return self.counts[self.used - 1][1]
+        self.used = len(self.counts)
+        return None
 
 
 @contextmanager
@@ -226,7 +221,7 @@ def _log_plus_shifts(
     wide_sum: Callable[[], torch.Tensor],
     exact_at: Callable[[torch.Tensor], torch.Tensor],
     num_terms: int,
-    counted: Optional[Callable[[int], None]] = None,
+    counted: Callable[[int], None] = lambda count: None,
 ) -> torch.Tensor:
     """
     ``log(shifted_sum) + sum(shifts)``, a log-space product, with its underflowed
@@ -243,7 +238,6 @@ def _log_plus_shifts(
     """
     low = shifted_sum < underflow_floor(shifted_sum.dtype, num_terms)
     flags = _DEFERRED_FLAGS.get()
-    counted = counted or (lambda count: None)
     if flags is None and not low.any():  # one reduction, and the only sync
         # the common case: every sum far above 0, so a plain log (finite gradient) will do
         counted(0)
@@ -500,9 +494,12 @@ def log_matmul_exp(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         exp_or_zero(x.double() - x_shift.double()), exp_or_zero(y.double() - y_shift.double())
     )
     exact_at = functools.partial(_exact_matmul_entries, x, y)
+    shifts = [x_shift, y_shift]
     counts = _REPAIR_COUNTS.get()
-    counted = None if counts is None else lambda count: counts.append((shifted_sum.shape, count))
-    return _log_plus_shifts(shifted_sum, [x_shift, y_shift], live, wide_sum, exact_at, x.size(-1), counted)
+    if counts is None:
+        return _log_plus_shifts(shifted_sum, shifts, live, wide_sum, exact_at, x.size(-1))
+    counted = lambda count: counts.append((shifted_sum.shape, count))  # noqa: E731
+    return _log_plus_shifts(shifted_sum, shifts, live, wide_sum, exact_at, x.size(-1), counted)
 
 
 def sequential_log_matmul_exp(logits: torch.Tensor) -> torch.Tensor:

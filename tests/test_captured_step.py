@@ -429,12 +429,15 @@ def test_a_step_whose_repairs_are_too_small_is_captured_again(monkeypatch, under
     pyro.set_rng_seed(0)
     captures = []
 
+    real = captured_step.counting_repairs
+
     @contextlib.contextmanager
     def counting_none():  # an eager step that reports no repair: every capacity is 64
         captures.append(1)
-        yield []
+        with real() as counts:
+            yield counts
+        counts[:] = [(shape, 0) for shape, _ in counts]
 
-    real = captured_step.counting_repairs
     monkeypatch.setattr(
         captured_step,
         "counting_repairs",
