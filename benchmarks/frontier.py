@@ -180,21 +180,27 @@ def log_matmul_exp(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return log_s + shift_a + shift_b
 
 
+def _float64_product(a: torch.Tensor, b: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """
+    :func:`log_matmul_exp` in float64, in ``a``'s dtype, and where its entries are not exact:
+    their shifted sums are below float64's floor for K terms (each lost term < 1e-304).
+    """
+    shift_a = a.detach().amax(-1, keepdim=True).double()
+    shift_b = b.detach().amax(-2, keepdim=True).double()
+    # clamped at exp(-700): each term off by < 1e-304, and exp off its slow path for tiny results
+    s = torch.matmul(
+        (a.double() - shift_a).clamp(min=-700).exp(), (b.double() - shift_b).clamp(min=-700).exp()
+    )
+    return (s.clamp(min=1e-290).log() + shift_a + shift_b).to(a.dtype), s < 1e-290
+
+
 def exact_log_matmul_exp(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """
     :func:`log_matmul_exp` made exact, as a careful engineer would: the product in
     float64, then each entry whose shifted sum still underflows (Fig. 4's chain at the
     guide's initial values: 9% of the first tree level's entries) by max-plus, alone.
     """
-    shift_a = a.detach().amax(-1, keepdim=True)
-    shift_b = b.detach().amax(-2, keepdim=True)
-    # clamped at exp(-700): each term off by < 1e-304, and exp off its slow path for tiny results
-    s = torch.matmul(
-        (a.double() - shift_a.double()).clamp(min=-700).exp(),
-        (b.double() - shift_b.double()).clamp(min=-700).exp(),
-    )
-    low = s < 1e-290  # below float64's floor for K terms (each lost term < 1e-304): not exact
-    result = (s.clamp(min=1e-290).log() + shift_a.double() + shift_b.double()).to(a.dtype)
+    result, low = _float64_product(a, b)
     bad = low.nonzero(as_tuple=True)
     if not bad[0].numel():
         return result
@@ -221,14 +227,7 @@ def static_exact_log_matmul_exp(a: torch.Tensor, b: torch.Tensor, capacity: int)
     recomputed by max-plus every call. Beyond ``capacity`` entries it is wrong: a floor for
     timing only, sized by :func:`repair_counts`.
     """
-    shift_a = a.detach().amax(-1, keepdim=True)
-    shift_b = b.detach().amax(-2, keepdim=True)
-    s = torch.matmul(
-        (a.double() - shift_a.double()).clamp(min=-700).exp(),
-        (b.double() - shift_b.double()).clamp(min=-700).exp(),
-    )
-    low = s < 1e-290
-    result = (s.clamp(min=1e-290).log() + shift_a.double() + shift_b.double()).to(a.dtype)
+    result, low = _float64_product(a, b)
     coordinates = torch.nonzero_static(low, size=capacity, fill_value=-1)
     batch, i, k = coordinates.clamp(min=0).unbind(-1)
     rows, columns = result.shape[-2:]
@@ -244,11 +243,7 @@ def repair_counts(f1, F, g) -> List[int]:
     while F.shape[0] > 1:
         n = F.shape[0]
         a, b = F[0 : n - 1 : 2], F[1:n:2]
-        s = torch.matmul(
-            (a.double() - a.amax(-1, keepdim=True).double()).clamp(min=-700).exp(),
-            (b.double() - b.amax(-2, keepdim=True).double()).clamp(min=-700).exp(),
-        )
-        counts.append(int((s < 1e-290).sum()))
+        counts.append(int(_float64_product(a, b)[1].sum()))
         paired = exact_log_matmul_exp(a, b)
         F = torch.cat([paired, F[n - 1 :]], 0) if n % 2 else paired
     return counts
