@@ -23,9 +23,11 @@ The contract, as Pyro's ``JitTrace_ELBO`` states its own:
   on; the second is captured (and returns its values); the rest are replayed.
 - **What cannot be captured runs eagerly, with one warning saying why**: a branch
   on a tensor's value, a tensor read that is neither a parameter nor an argument
-  (a data tensor held by a closure: pass it as an argument). The backward pass is
-  traced as it runs, so a custom ``autograd.Function``'s own backward is in the
-  graph (unlike the estimate-only program of :mod:`pyro_tmc.compiled`).
+  (a data tensor held by a closure: pass it as an argument). The forward is traced
+  alone and its backward derived from it (:mod:`pyro_tmc.forward_trace`), except
+  where a custom ``autograd.Function`` is used: that step's backward is traced as
+  autograd runs it, so the Function's own backward is in the graph (unlike the
+  estimate-only program of :mod:`pyro_tmc.compiled`).
 - **A structure change that keeps every shape** (a Python ``if`` on a global
   flag) cannot be seen by a replayed graph. Every ``check_every``-th step of a key
   runs eagerly and compares its structure (each site's name, distribution,
@@ -37,10 +39,11 @@ The contract, as Pyro's ``JitTrace_ELBO`` states its own:
   from the same random state, where the products are repaired and a bad site is
   named.
 
-A captured step of more than :data:`ROLL_ABOVE` operations (a long ``pyro.markov``
-loop, about 40 per step) is rolled (:mod:`pyro_tmc.loop_rolling`): its repeated blocks
-become one batched operation each, so a 1,000-step chain replays as about 2,000
-operations, not 33,000.
+A captured step whose forward has more than :data:`ROLL_ABOVE` operations (a long
+``pyro.markov`` loop, about ten per step) is rolled (:mod:`pyro_tmc.loop_rolling`): its
+repeated blocks become one batched operation each, and the backward is traced through
+the rolled forward, so a 1,000-step chain is traced once, not twice, step by step, and
+replays as about 1,700 operations, not 33,000.
 
 Parameters are found by name in the param store. ``nn.Module`` parameters
 registered by ``pyro.module`` are there too, but a plain module reads its own
@@ -62,8 +65,9 @@ from pyro.poutine.messenger import Messenger
 
 from ._pyro import param_store_holding
 from .compiled import MODES, GraphFallback, estimates_eagerly, keeping_validation_default, warn_fallback
+from .forward_trace import GradModeMarks, InGradModes, as_leaves, custom_backward, derive_backward
 from .log_einsum import any_flag, counting_repairs, deferred_underflow_checks
-from .loop_rolling import count_operations, roll
+from .loop_rolling import count_groups, count_operations, roll, rolled_runner
 
 #: keys captured per loss: an argument whose shape changes every step stops being captured after this many
 MAX_CAPTURES = 8
@@ -73,10 +77,14 @@ MAX_CAPTURES = 8
 #: uncompiled instead (``StepProgram.max_inductor_nodes``; ``None``: no limit)
 MAX_INDUCTOR_NODES = 2000
 
-#: a captured step with more operations than this is rolled (:mod:`pyro_tmc.loop_rolling`): its
-#: repeated blocks, a ``pyro.markov`` loop's steps, batched into one operation each
-#: (``StepProgram.roll_above``; ``None``: never)
-ROLL_ABOVE = 1000
+#: a captured step whose forward has more operations than this is rolled (:mod:`pyro_tmc.loop_rolling`):
+#: its repeated blocks, a ``pyro.markov`` loop's steps, batched into one operation each; the whole
+#: step, its backward included, has about three times as many (``StepProgram.roll_above``; ``None``: never)
+ROLL_ABOVE = 400
+
+#: a rolled graph's ``meta`` key: how many operations the graph it was rolled from had (its
+#: forward's, or, for a step with a custom backward, the whole step's)
+ROLLED_FROM = "pyro_tmc_rolled_from"
 
 #: uncompiled replays timed against the eager step before a key settles on the faster
 TIMED_REPLAYS = 3
@@ -221,7 +229,8 @@ class CapturedStep:
     """A key's captured step: its graph, and what it was captured with."""
 
     program: Optional[Callable]  # None: this key runs eagerly
-    graph: Optional[Callable]  # the traced graph itself (replayed at a check to compare values)
+    #: the step's forward, unrolled: it draws as the eager step does (replayed at a check to compare values)
+    graph: Optional[Callable]
     param_names: List[str]
     param_specs: List[tuple]
     structure: List[tuple]
@@ -246,31 +255,42 @@ def capture_step(
     arguments: List[torch.Tensor],
     rebuild: Callable,
     repair_counts: Optional[list] = None,
-) -> Tuple[torch.fx.GraphModule, List[tuple]]:
+    roll_above: Optional[int] = None,
+    batch_draws: bool = False,
+) -> "Capture":
     """
     Trace ``differentiable_loss(*args, **kwargs)`` and its gradient with respect
     to the named parameters into one graph of ``(params..., arguments...) ->
     (loss, underflow, grads...)``.
 
+    The forward is traced alone, then its backward from it (:mod:`pyro_tmc.forward_trace`):
+    from the forward rolled (:mod:`pyro_tmc.loop_rolling`) where it has more than
+    ``roll_above`` operations. A step with a custom ``autograd.Function`` is traced
+    again, with its backward as autograd runs it, and that graph is rolled.
+
     :param list repair_counts: how many entries each log-space matrix product of
         an eager run of the step repaired (:func:`~pyro_tmc.log_einsum.counting_repairs`):
         the graph's repairs are sized to them.
+    :param int roll_above: roll a step of more forward operations than this
+        (``None``: never).
+    :param bool batch_draws: see :func:`~pyro_tmc.loop_rolling.plan_groups`.
 
-    :returns: the graph and the structure it recorded.
+    :returns: the graphs, and the structure the trace recorded.
     :raises GraphFallback: where tracing fails (a branch on values, a tensor read
-        that is not an input) or the step uses a custom ``autograd.Function``.
+        that is not an input).
     """
     from torch.fx._lazy_graph_module import _use_lazy_graph_module
     from torch.fx.experimental.proxy_tensor import make_fx
 
     params = unconstrained_parameters(param_names)
     holders = modules_holding(params)
+    num_params = len(params)
     recorded: List[list] = []
+    customs: List[Optional[str]] = []
 
-    def step(*inputs: torch.Tensor):
-        # leaves standing for the parameters: the gradient is taken with respect to them
-        leaves = [torch.nn.Parameter(p) for p in inputs[: len(params)]]
-        args, kwargs = rebuild(list(inputs[len(params) :]))
+    def run_loss(*inputs: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        leaves = list(inputs[:num_params])  # the parameters: the gradient is taken with respect to them
+        args, kwargs = rebuild(list(inputs[num_params:]))
         recorder = StructureRecorder()
         with param_store_holding(dict(zip(param_names, leaves))), _ModulesHolding(holders, leaves):
             with (
@@ -280,20 +300,98 @@ def capture_step(
             ):
                 loss = differentiable_loss(*args, **kwargs)
                 underflow = any_flag(flags, loss)
-            grads = torch.autograd.grad(loss, leaves, allow_unused=True) if leaves else ()
         recorded.append(recorder.record)
-        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(leaves, grads)]
-        return (loss.detach(), underflow, *grads)
+        return loss, underflow
+
+    def forward(*inputs: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        with GradModeMarks():
+            loss, underflow = run_loss(*inputs)
+        customs.append(custom_backward(loss) if loss.requires_grad else None)
+        return loss, underflow
 
     inputs = params + arguments
     try:
         # a lazy graph writes its Python code at its first call, not at each recompile: a long
         # step's graph is rewritten by rolling and may never run (tens of thousands of operations)
         with _use_lazy_graph_module(True):
-            graph = make_fx(step, tracing_mode="fake")(*inputs)
+            forward_graph = make_fx(forward, tracing_mode="fake")(*as_leaves(inputs, num_params))
+            if customs[-1] is None:
+                program = _backward_of(forward_graph, inputs, num_params, roll_above, batch_draws)
+                return Capture(program, forward_graph, recorded[0])
+            # its own backward, as autograd runs it: about three operations per forward one
+            whole = derive_backward(run_loss, inputs, num_params)
+            program = _rolled(whole, inputs, None if roll_above is None else 3 * roll_above, batch_draws)
+            return Capture(program, whole, recorded[0])
     except Exception as error:  # any failure: the eager step is always right
         raise GraphFallback(_fallback_reason(error)) from error
-    return graph, recorded[-1]
+
+
+class Capture(NamedTuple):
+    """What :func:`capture_step` traced."""
+
+    #: ``(params..., arguments...) -> (loss, underflow, grads...)``, rolled where it pays
+    program: torch.fx.GraphModule
+    #: the same inputs ``-> (loss, underflow, ...)``, unrolled: it draws as the eager step does
+    unrolled: torch.fx.GraphModule
+    #: the structure of the step's sample and param statements (:class:`StructureRecorder`)
+    structure: List[tuple]
+
+
+def _backward_of(
+    forward: torch.fx.GraphModule,
+    inputs: List[torch.Tensor],
+    num_params: int,
+    roll_above: Optional[int],
+    batch_draws: bool,
+) -> torch.fx.GraphModule:
+    """
+    The whole step's graph from its traced forward: the forward rolled where it has
+    more than ``roll_above`` operations and rolling makes it smaller, then its
+    backward traced through it.
+    """
+    forward.graph.eliminate_dead_code()
+    if roll_above is not None and count_operations(forward) > roll_above:
+        try:
+            runner = rolled_runner(forward, batch_draws)
+            if count_groups(runner) < count_operations(forward):
+                # autograd's backward of the rolled forward still has a few per-step leftovers (the
+                # zero gradients of an unbind's unused outputs): rolled in turn
+                graph = derive_backward(runner, inputs, num_params)
+                graph = _rolled(graph, inputs, roll_above, batch_draws)
+                graph.meta[ROLLED_FROM] = count_operations(forward)
+                return graph
+        except Exception as error:  # the unrolled graph is always right
+            _warn_not_rolled(error)
+    return derive_backward(InGradModes(forward).run, inputs, num_params)
+
+
+def _rolled(
+    graph: torch.fx.GraphModule, inputs: List[torch.Tensor], roll_above: Optional[int], batch_draws: bool
+) -> torch.fx.GraphModule:
+    """
+    A whole step's graph, backward included, rolled (:func:`pyro_tmc.loop_rolling.roll`)
+    where it has more than ``roll_above`` operations and rolling makes it smaller; else itself.
+    """
+    graph.graph.eliminate_dead_code()
+    if roll_above is None or count_operations(graph) <= roll_above:
+        return graph
+    try:
+        rolled = roll(graph, inputs, batch_draws)
+    except Exception as error:  # the unrolled graph is always right
+        _warn_not_rolled(error)
+        return graph
+    if count_operations(rolled) >= count_operations(graph):
+        return graph
+    rolled.meta[ROLLED_FROM] = count_operations(graph)
+    return rolled
+
+
+def _warn_not_rolled(error: Exception) -> None:
+    warnings.warn(
+        f"pyro_tmc: could not roll the captured step ({error}); it is replayed unrolled.",
+        RuntimeWarning,
+        stacklevel=6,
+    )
 
 
 def _write_code(graph: torch.fx.GraphModule) -> None:
@@ -455,7 +553,15 @@ class StepProgram:
         eager_seconds = time.perf_counter() - start
         names = recorder.param_names
         try:
-            graph, structure = capture_step(differentiable_loss, names, arguments, rebuild, repair_counts)
+            program, unrolled, structure = capture_step(
+                differentiable_loss,
+                names,
+                arguments,
+                rebuild,
+                repair_counts,
+                roll_above=self.roll_above,
+                batch_draws=self.batch_draws,
+            )
         except GraphFallback as reason:
             self._steps[key] = CapturedStep(None, None, names, [], [])
             _warn_fallback(str(reason))
@@ -465,12 +571,11 @@ class StepProgram:
             _warn_fallback("the model's structure differs from one run to the next with the same arguments")
             return loss
         self.captures += 1
-        graph.graph.eliminate_dead_code()
-        graph.recompile()
+        program.graph.eliminate_dead_code()
+        program.recompile()
         params = unconstrained_parameters(names)
         specs = [_spec(p) for p in params]
-        program = self._rolled(graph, params + arguments)
-        captured = CapturedStep(program, graph, names, specs, structure, [eager_seconds])
+        captured = CapturedStep(program, unrolled, names, specs, structure, [eager_seconds])
         if self.mode == "inductor" and not self._too_large(program):
             options = {"dynamic": False, **self.options}
             _write_code(program)
@@ -479,24 +584,6 @@ class StepProgram:
             captured.eager_seconds = None  # compiled: not timed against eager
         self._steps[key] = captured
         return loss
-
-    def _rolled(self, graph: torch.fx.GraphModule, inputs: List[torch.Tensor]) -> torch.fx.GraphModule:
-        """
-        The graph with its repeated blocks rolled (:func:`pyro_tmc.loop_rolling.roll`), where
-        it has more than ``roll_above`` operations and rolling makes it smaller; else itself.
-        """
-        if self.roll_above is None or count_operations(graph) <= self.roll_above:
-            return graph
-        try:
-            rolled = roll(graph, inputs, self.batch_draws)
-        except Exception as error:  # the unrolled graph is always right
-            warnings.warn(
-                f"pyro_tmc: could not roll the captured step ({error}); it is replayed unrolled.",
-                RuntimeWarning,
-                stacklevel=5,
-            )
-            return graph
-        return rolled if count_operations(rolled) < count_operations(graph) else graph
 
     def _too_large(self, graph: torch.fx.GraphModule) -> bool:
         """Whether a graph has too many operations for inductor to compile in reasonable time (warns once)."""

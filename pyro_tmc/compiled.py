@@ -48,6 +48,7 @@ from pyro.poutine import Trace
 from .checks import validate_samples
 from .evaluation import EvaluationPlan
 from .factors import compute_log_factors, contract_estimate
+from .forward_trace import custom_backward
 from .log_einsum import any_flag, deferred_underflow_checks
 from .proposals import ProposalStrategy
 from .scales import ScalePlan
@@ -285,18 +286,12 @@ def check_no_custom_backward(function: Callable, tensors: List[torch.Tensor]) ->
     inputs = [t.detach().requires_grad_(t.is_floating_point() or t.is_complex()) for t in tensors]
     with torch.enable_grad():
         output, _ = function(*inputs)
-    seen, stack = set(), [output.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if isinstance(node, torch.autograd.function.BackwardCFunction):
-            raise GraphFallback(
-                f"the estimate uses the custom autograd.Function {type(node).__name__[: -len('Backward')]}, "
-                "whose backward a graph of tensor operations would drop"
-            )
-        stack.extend(next_node for next_node, _ in node.next_functions)
+    name = custom_backward(output)
+    if name is not None:
+        raise GraphFallback(
+            f"the estimate uses the custom autograd.Function {name}, "
+            "whose backward a graph of tensor operations would drop"
+        )
 
 
 #: within :func:`estimates_eagerly`: every estimate program gives way to the eager path

@@ -40,6 +40,8 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from .forward_trace import NO_GRAD, grad_mode_of, runs_without_grad
+
 aten = torch.ops.aten
 
 #: (target, argument positions whose ints may differ within a group)
@@ -167,6 +169,8 @@ def collapse_sum_chains(graph: Graph) -> int:
             total = graph.call_function(aten.sum.dim_IntList, (stacked, [0]))
         total.meta["val"] = _value(node)
         stacked.meta["val"] = None
+        if runs_without_grad(node):
+            stacked.meta[NO_GRAD] = total.meta[NO_GRAD] = True
         node.replace_all_uses_with(total)
         for dead in [node] + inner:
             graph.erase_node(dead)
@@ -339,7 +343,7 @@ def _group_key(node: Node, level: int, batch_draws: bool) -> Optional[tuple]:
             statics.append("int")
         else:
             statics.append(("S", repr(leaf)))
-    return (level, target, repr(spec), tuple(statics), _signature(_value(node)))
+    return (level, target, repr(spec), tuple(statics), _signature(_value(node)), runs_without_grad(node))
 
 
 def plan_groups(graph: Graph, batch_draws: bool = False) -> List[List[Group]]:
@@ -370,11 +374,34 @@ def plan_groups(graph: Graph, batch_draws: bool = False) -> List[List[Group]]:
         else:
             by_key[key].append(node)
     order = {node: i for i, node in enumerate(graph.nodes)}
-    groups = [Group(members) for members in by_key.values()] + [Group([node]) for node in singles]
+    split = [part for members in by_key.values() for part in _split_by_input(members)]
+    groups = [Group(members) for members in split] + [Group([node]) for node in singles]
     schedule: Dict[int, List[Group]] = defaultdict(list)
     for group in groups:
         schedule[level[group.first]].append(group)
     return [sorted(schedule[d], key=lambda g: order[g.first]) for d in sorted(schedule)]
+
+
+#: an indexing group reading from at most this many graph inputs is split into one group per input
+MAX_SPLIT_INPUTS = 8
+
+
+def _split_by_input(members: List[Node]) -> List[List[Node]]:
+    """
+    An indexing group (``select``, ``slice``) whose members read from a few graph
+    inputs, as one group per input: a guide's ``loc[i]`` and ``scale[i]`` are one
+    ``index_select`` each (its backward one ``index_add``), not a stack of the inputs
+    repeated once per member, indexed.
+    """
+    if members[0].target not in _VARYING_INTS:
+        return [members]
+    sources = [m.args[0] for m in members]
+    if not all(isinstance(s, Node) and s.op in ("placeholder", "get_attr") for s in sources):
+        return [members]
+    distinct = list(dict.fromkeys(sources))
+    if len(distinct) == 1 or len(distinct) > MAX_SPLIT_INPUTS:
+        return [members]
+    return [[m for m in members if m.args[0] is source] for source in distinct]
 
 
 # -- running the groups ------------------------------------------------------------------------
@@ -394,13 +421,19 @@ class _Batched:
 
     def member(self, index: int) -> Any:
         if self._unbound is None:
-            if isinstance(self.value, torch.Tensor):
-                self._unbound = list(self.value.unbind(0))
-            else:  # one unbind per leaf, not one indexing per leaf and member
-                leaves, spec = tree_flatten(self.value)
-                rows = zip(*(leaf.unbind(0) for leaf in leaves))
-                self._unbound = [tree_unflatten(list(row), spec) for row in rows]
+            # unbound once, for every reader: in grad mode, whatever the first reader's (the
+            # members of a value computed without grad do not require it either way)
+            with torch.enable_grad():
+                self._unbind()
         return self._unbound[index]
+
+    def _unbind(self) -> None:
+        if isinstance(self.value, torch.Tensor):
+            self._unbound = list(self.value.unbind(0))
+        else:  # one unbind per leaf, not one indexing per leaf and member
+            leaves, spec = tree_flatten(self.value)
+            rows = zip(*(leaf.unbind(0) for leaf in leaves))
+            self._unbound = [tree_unflatten(list(row), spec) for row in rows]
 
 
 class RolledStep:
@@ -438,6 +471,10 @@ class RolledStep:
         return batched.member(index)
 
     def _run(self, group: Group) -> None:
+        with grad_mode_of(group.first):  # a forward's node runs in the eager step's grad mode
+            self._run_in_mode(group)
+
+    def _run_in_mode(self, group: Group) -> None:
         if len(group.members) > 1:
             try:
                 batched = self._run_batched(group)
@@ -691,12 +728,37 @@ def merge_equal_constants(module: GraphModule) -> None:
             seen[key] = node
 
 
+def rolled_runner(module: GraphModule, batch_draws: bool = False) -> RolledStep:
+    """
+    A :class:`RolledStep` of a traced step (see the module docstring), its graph
+    tidied and its groups planned: called on tensors, it computes the step's outputs
+    group by group, each in the grad mode the eager step ran it in. Traced under
+    autograd, it gives a rolled forward's backward (:mod:`pyro_tmc.forward_trace`).
+
+    :param module: a graph traced by ``make_fx`` (changed in place).
+    :param bool batch_draws: see :func:`plan_groups`.
+    """
+    graph = module.graph
+    merge_equal_constants(module)
+    replace_fresh_fills(graph)
+    graph.eliminate_dead_code()
+    collapse_sum_chains(graph)
+    module.recompile()
+    return RolledStep(module, plan_groups(graph, batch_draws))
+
+
+def count_groups(runner: RolledStep) -> int:
+    """How many operations a rolled step runs (each group is one)."""
+    return sum(len(groups) for groups in runner.schedule)
+
+
 def roll(
     module: GraphModule, example_inputs: Sequence[torch.Tensor], batch_draws: bool = False
 ) -> GraphModule:
     """
-    The rolled graph of a captured step (see the module docstring): the same
-    function of the same inputs, with each level's repeated operations batched.
+    The rolled graph of a captured step, its backward included (see the module
+    docstring): the same function of the same inputs, with each level's repeated
+    operations batched.
 
     :param module: a graph traced by ``make_fx``.
     :param example_inputs: inputs of the right shapes (traced as fake tensors; not run).
@@ -704,16 +766,10 @@ def roll(
     """
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    graph = module.graph
-    merge_equal_constants(module)
-    replace_fresh_fills(graph)
-    graph.eliminate_dead_code()
-    collapse_sum_chains(graph)
-    module.recompile()
-    schedule = plan_groups(graph, batch_draws)
+    runner = rolled_runner(module, batch_draws)
     # the step's backward is in its graph already, as operations: tracing them needs no autograd
     with torch.no_grad():
-        rolled = make_fx(RolledStep(module, schedule), tracing_mode="fake")(*example_inputs)
+        rolled = make_fx(runner, tracing_mode="fake")(*example_inputs)
     rolled.graph.eliminate_dead_code()
     rolled.recompile()
     return rolled

@@ -380,7 +380,8 @@ def test_large_step_is_not_compiled_by_inductor():
         for _ in range(3):
             loss.loss_and_grads(toy_model, toy_guide, x)
     captured = next(iter(loss.step_program._steps.values()))
-    assert captured.program is captured.graph and loss.step_program.replays == 1
+    assert isinstance(captured.program, torch.fx.GraphModule)  # uncompiled
+    assert loss.step_program.replays == 1
 
 
 def stiff_chain_model(x, N):
@@ -517,5 +518,6 @@ def test_a_failed_inductor_compile_replays_uncompiled(monkeypatch):
     with pytest.warns(RuntimeWarning, match="inductor refused"):
         values = [loss.loss_and_grads(toy_model, toy_guide, x) for _ in range(4)]
     captured = next(iter(loss.step_program._steps.values()))
-    assert captured.program is captured.graph and loss.step_program.replays == 2
+    assert isinstance(captured.program, torch.fx.GraphModule)  # uncompiled
+    assert loss.step_program.replays == 2
     assert all(math.isfinite(v) for v in values)

@@ -1,0 +1,129 @@
+"""A step traced forward only, and its backward derived from the (rolled) forward.
+
+Tracing a step's loss and its ``autograd.grad`` together records the backward as
+autograd runs it: a block of backward operations for every forward block, so a
+1,000-link ``pyro.markov`` chain's backward is traced link by link (about 60% of
+the trace's time) and then rolled with the forward. Tracing the forward alone,
+rolling it (:mod:`pyro_tmc.loop_rolling`), and running autograd on the rolled
+forward under a second, short trace gives the gradients of the same operations
+from about 1,000 batched operations instead of about 20,000.
+
+A graph of aten operations forgets two things about the eager step:
+
+- **Grad mode.** An operation run under ``no_grad`` (the draw of a
+  non-reparameterised ``sample``; the backward of the inner ``autograd.grad``
+  that STL and DReGs take) is not differentiated by the eager step. While the
+  forward is traced, :class:`GradModeMarks` marks each node run without grad, and
+  the second trace runs each node in its mode (:func:`runs_without_grad`).
+- **A custom ``autograd.Function``'s backward**, which is not the derivative of
+  its forward's operations. A step that uses one is traced with its backward
+  instead (:func:`custom_backward`). ``torch.cond``'s own autograd traces its
+  branches' backward itself, so it is not one of them.
+"""
+
+import contextlib
+from typing import Any, Callable, List, Optional, Sequence
+
+import torch
+from torch.fx import GraphModule, Interpreter, Node
+from torch.utils._python_dispatch import TorchDispatchMode
+
+#: a node's ``meta`` key: ``True`` where the eager step ran it under ``no_grad``
+NO_GRAD = "pyro_tmc_no_grad"
+
+
+class GradModeMarks(TorchDispatchMode):
+    """
+    Inside a ``make_fx`` trace: marks each node recorded while grad mode is off
+    (``node.meta[NO_GRAD]``). A higher-order operator (``cond``) is never marked:
+    its autograd runs its forward without grad, above this mode, and differentiates
+    it itself.
+    """
+
+    supports_higher_order_operators = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.graph = None
+        self.last: Optional[Node] = None  # the graph's last node after the previous operation
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+        if self.graph is None:
+            self.graph = get_proxy_mode().tracer.graph
+        without_grad = not torch.is_grad_enabled() and not isinstance(func, torch._ops.HigherOrderOperator)
+        out = func(*args, **(kwargs or {}))
+        tail = self.graph._root.prev
+        if without_grad:
+            node = tail
+            while node is not self.last and node.op != "root":
+                node.meta[NO_GRAD] = True
+                node = node.prev
+        self.last = tail
+        return out
+
+
+def runs_without_grad(node: Node) -> bool:
+    return bool(node.meta.get(NO_GRAD, False))
+
+
+def grad_mode_of(node: Node) -> contextlib.AbstractContextManager:
+    """``no_grad`` for a node the eager step ran without grad; else the mode as it is."""
+    return torch.no_grad() if runs_without_grad(node) else contextlib.nullcontext()
+
+
+def custom_backward(output: torch.Tensor) -> Optional[str]:
+    """
+    The name of a custom ``autograd.Function`` in ``output``'s backward graph
+    (``torch``'s own higher-order operators' aside), or ``None``.
+    """
+    seen, stack = set(), [output.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            function = getattr(node, "_forward_cls", type(node))
+            if not function.__module__.startswith("torch._higher_order_ops"):
+                return function.__name__
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return None
+
+
+class InGradModes(Interpreter):
+    """Runs a forward graph node by node, each in the grad mode the eager step ran it in."""
+
+    def run_node(self, node: Node) -> Any:
+        with grad_mode_of(node):
+            return super().run_node(node)
+
+
+def derive_backward(forward: Callable, inputs: Sequence[torch.Tensor], num_params: int) -> GraphModule:
+    """
+    Trace ``(params..., arguments...) -> (loss, underflow, grads...)``: ``forward``
+    (``-> (loss, underflow)``) run under autograd, and the loss's gradient with
+    respect to the first ``num_params`` inputs (zeros where it does not depend on one).
+
+    :param forward: the traced forward, run by :class:`InGradModes` or a
+        :class:`~pyro_tmc.loop_rolling.RolledStep` (which keeps the grad modes too).
+    :param inputs: example inputs (traced as fake tensors).
+    """
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def step(*inputs: torch.Tensor):
+        leaves = list(inputs[:num_params])
+        loss, underflow = forward(*inputs)
+        grads: Sequence[Optional[torch.Tensor]] = [None] * len(leaves)
+        if leaves and loss.requires_grad:
+            grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(leaves, grads)]
+        return (loss.detach(), underflow, *grads)
+
+    return make_fx(step, tracing_mode="fake")(*as_leaves(inputs, num_params))
+
+
+def as_leaves(inputs: Sequence[torch.Tensor], num_params: int) -> List[torch.Tensor]:
+    """The inputs, with the first ``num_params`` as fresh leaves that require grad (the parameters)."""
+    return [t.detach().requires_grad_() if i < num_params else t for i, t in enumerate(inputs)]
