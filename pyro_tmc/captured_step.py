@@ -65,7 +65,7 @@ from pyro.poutine.messenger import Messenger
 
 from ._pyro import param_store_holding
 from .compiled import MODES, GraphFallback, estimates_eagerly, keeping_validation_default, warn_fallback
-from .forward_trace import GradModeMarks, InGradModes, as_leaves, custom_backward, derive_backward
+from .forward_trace import GradModeMarks, HookWatch, InGradModes, as_leaves, custom_backward, derive_backward
 from .log_einsum import any_flag, counting_repairs, deferred_underflow_checks
 from .loop_rolling import count_groups, count_operations, roll, rolled_runner
 
@@ -265,8 +265,8 @@ def capture_step(
 
     The forward is traced alone, then its backward from it (:mod:`pyro_tmc.forward_trace`):
     from the forward rolled (:mod:`pyro_tmc.loop_rolling`) where it has more than
-    ``roll_above`` operations. A step with a custom ``autograd.Function`` is traced
-    again, with its backward as autograd runs it, and that graph is rolled.
+    ``roll_above`` operations. A step with a custom ``autograd.Function`` or a tensor
+    hook is traced again, with its backward as autograd runs it, and that graph is rolled.
 
     :param list repair_counts: how many entries each log-space matrix product of
         an eager run of the step repaired (:func:`~pyro_tmc.log_einsum.counting_repairs`):
@@ -304,9 +304,12 @@ def capture_step(
         return loss, underflow
 
     def forward(*inputs: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        with GradModeMarks():
+        with GradModeMarks(), HookWatch() as hooks:
             loss, underflow = run_loss(*inputs)
-        customs.append(custom_backward(loss) if loss.requires_grad else None)
+        if hooks.hooked:
+            customs.append("a tensor hook")
+        else:
+            customs.append(custom_backward(loss) if loss.requires_grad else None)
         return loss, underflow
 
     inputs = params + arguments

@@ -15,10 +15,11 @@ A graph of aten operations forgets two things about the eager step:
   that STL and DReGs take) is not differentiated by the eager step. While the
   forward is traced, :class:`GradModeMarks` marks each node run without grad, and
   the second trace runs each node in its mode (:func:`runs_without_grad`).
-- **A custom ``autograd.Function``'s backward**, which is not the derivative of
-  its forward's operations. A step that uses one is traced with its backward
-  instead (:func:`custom_backward`). ``torch.cond``'s own autograd traces its
-  branches' backward itself, so it is not one of them.
+- **A custom ``autograd.Function``'s backward, and tensor hooks**, which need not
+  be the derivative of the forward's operations. A step that uses one is traced
+  with its backward instead (:func:`custom_backward`, :class:`HookWatch`).
+  ``torch.cond``'s own autograd traces its branches' backward itself, so it is
+  not one of them.
 """
 
 import contextlib
@@ -26,6 +27,7 @@ from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 from torch.fx import GraphModule, Interpreter, Node
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 #: a node's ``meta`` key: ``True`` where the eager step ran it under ``no_grad``
@@ -62,6 +64,26 @@ class GradModeMarks(TorchDispatchMode):
                 node = node.prev
         self.last = tail
         return out
+
+
+class HookWatch(TorchFunctionMode):
+    """
+    Notes whether a tensor hook is registered (``Tensor.register_hook``): a hook may
+    change the gradient that reaches it, which the derivative of the forward's
+    operations would not.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hooked = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _HOOK_REGISTRATIONS:
+            self.hooked = True
+        return func(*args, **(kwargs or {}))
+
+
+_HOOK_REGISTRATIONS = (torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook)
 
 
 def runs_without_grad(node: Node) -> bool:

@@ -139,3 +139,23 @@ def test_a_gradient_stopped_by_no_grad_stays_stopped_under_capture():
         lambda **kw: TMC_ELBO(num_samples=4, max_plate_nesting=1, **kw), toy_model, stopping_guide, (x,)
     )
     _assert_same(replayed, eager)
+
+
+def hooked_model(x):
+    """A model whose latent's gradient is tripled by a tensor hook."""
+    theta = pyro.sample("theta", dist.Normal(x.new_zeros(()), 1.0))
+    with pyro.plate("data", x.shape[-1], dim=-1):
+        z = pyro.sample("z", dist.Normal(theta, 1.0))
+        if z.requires_grad:
+            z.register_hook(lambda grad: 3 * grad)
+        pyro.sample("x", dist.Normal(z, 1.0), obs=x)
+
+
+def test_a_tensor_hook_is_captured_with_its_own_backward():
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    x = torch.randn(6)
+    replayed, eager = _replay_and_eager(
+        lambda **kw: TMC_ELBO(num_samples=4, max_plate_nesting=1, **kw), hooked_model, toy_guide, (x,)
+    )
+    _assert_same(replayed, eager)
