@@ -26,24 +26,41 @@ from pyro_tmc.forward_trace import (
 
 try:
     from .test_captured_step import _assert_same, _replay_and_eager
-    from .test_compiled import _DoubleGrad, toy_guide
+    from .test_compiled import _DoubleGrad, chain_guide, chain_model, toy_guide, toy_model
 except ImportError:  # tests/ is not a package: pytest puts it on sys.path
     from test_captured_step import _assert_same, _replay_and_eager
-    from test_compiled import _DoubleGrad, toy_guide
+    from test_compiled import _DoubleGrad, chain_guide, chain_model, toy_guide, toy_model
 
 
-def _forward(p, x):
+def _captured_equals_eager(model, guide):
+    """A replayed toy step equals the eager step on the same draw (values and gradients, 1e-5)."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    x = torch.randn(6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # captured, no fallback
+        replayed, eager = _replay_and_eager(
+            lambda **kw: TMC_ELBO(num_samples=4, max_plate_nesting=1, **kw), model, guide, (x,)
+        )
+    _assert_same(replayed, eager)
+
+
+def _step(p, x):
+    y = (p * x).exp()
+    with torch.no_grad():
+        stopped = p * 3.0  # the eager step does not differentiate this
+    (g,) = torch.autograd.grad(y.sum(), p, retain_graph=True)  # nor an inner gradient
+    return (y * stopped).sum() + (g * p).sum(), torch.tensor(False)
+
+
+def _marked_step(p, x):
     with GradModeMarks():
-        y = (p * x).exp()
-        with torch.no_grad():
-            stopped = p * 3.0  # the eager step does not differentiate this
-        (g,) = torch.autograd.grad(y.sum(), p, retain_graph=True)  # nor an inner gradient
-        return (y * stopped).sum() + (g * p).sum(), torch.tensor(False)
+        return _step(p, x)
 
 
 def test_operations_run_without_grad_are_marked_and_stay_undifferentiated():
     p, x = torch.randn(3, requires_grad=True), torch.randn(3)
-    graph = make_fx(_forward, tracing_mode="fake")(p, x)
+    graph = make_fx(_marked_step, tracing_mode="fake")(p, x)
     marked = [n for n in graph.graph.nodes if runs_without_grad(n)]
     assert any(n.target is torch.ops.aten.mul.Tensor for n in marked)  # the stopped product
     assert all(n.op == "call_function" for n in marked)
@@ -51,7 +68,7 @@ def test_operations_run_without_grad_are_marked_and_stay_undifferentiated():
     joint = derive_backward(InGradModes(graph).run, [p, x], num_params=1)
     loss, _, grad = joint(p.detach(), x)
     leaf = p.detach().requires_grad_()
-    expected_loss, _ = _forward_eager(leaf, x)
+    expected_loss, _ = _step(leaf, x)
     (expected,) = torch.autograd.grad(expected_loss, leaf)
     assert torch.allclose(loss, expected_loss.detach())
     assert torch.allclose(grad, expected)
@@ -61,14 +78,6 @@ def test_operations_run_without_grad_are_marked_and_stay_undifferentiated():
     (g,) = torch.autograd.grad(y.sum(), leaf, create_graph=True)
     (unstopped,) = torch.autograd.grad((y * leaf * 3.0).sum() + (g * leaf).sum(), leaf)
     assert not torch.allclose(grad, unstopped, rtol=1e-3)
-
-
-def _forward_eager(p, x):
-    y = (p * x).exp()
-    with torch.no_grad():
-        stopped = p * 3.0
-    (g,) = torch.autograd.grad(y.sum(), p, retain_graph=True)
-    return (y * stopped).sum() + (g * p).sum(), None
 
 
 def test_custom_backward_is_found_and_cond_is_not():
@@ -86,24 +95,12 @@ def doubled_model(x):
 
 
 def test_a_custom_backward_is_captured_with_its_own_backward():
-    pyro.clear_param_store()
-    pyro.set_rng_seed(0)
-    x = torch.randn(6)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)
-        replayed, eager = _replay_and_eager(
-            lambda **kw: TMC_ELBO(num_samples=4, max_plate_nesting=1, **kw), doubled_model, toy_guide, (x,)
-        )
-    _assert_same(replayed, eager)
+    _captured_equals_eager(doubled_model, toy_guide)
 
 
 @pytest.mark.parametrize("variance_reduction", ["stl", "dregs"])
 def test_a_rolled_chain_with_inner_gradients_equals_the_eager_step(variance_reduction):
     """STL and DReGs take an inner gradient in the forward: rolled, it must stay a constant."""
-    try:
-        from .test_compiled import chain_guide, chain_model
-    except ImportError:
-        from test_compiled import chain_guide, chain_model
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
 
@@ -128,17 +125,7 @@ def stopping_guide(x):
 
 
 def test_a_gradient_stopped_by_no_grad_stays_stopped_under_capture():
-    try:
-        from .test_compiled import toy_model
-    except ImportError:
-        from test_compiled import toy_model
-    pyro.clear_param_store()
-    pyro.set_rng_seed(0)
-    x = torch.randn(6)
-    replayed, eager = _replay_and_eager(
-        lambda **kw: TMC_ELBO(num_samples=4, max_plate_nesting=1, **kw), toy_model, stopping_guide, (x,)
-    )
-    _assert_same(replayed, eager)
+    _captured_equals_eager(toy_model, stopping_guide)
 
 
 def hooked_model(x):
@@ -152,10 +139,4 @@ def hooked_model(x):
 
 
 def test_a_tensor_hook_is_captured_with_its_own_backward():
-    pyro.clear_param_store()
-    pyro.set_rng_seed(0)
-    x = torch.randn(6)
-    replayed, eager = _replay_and_eager(
-        lambda **kw: TMC_ELBO(num_samples=4, max_plate_nesting=1, **kw), hooked_model, toy_guide, (x,)
-    )
-    _assert_same(replayed, eager)
+    _captured_equals_eager(hooked_model, toy_guide)
