@@ -25,9 +25,9 @@ The contract, as Pyro's ``JitTrace_ELBO`` states its own:
   on a tensor's value, a tensor read that is neither a parameter nor an argument
   (a data tensor held by a closure: pass it as an argument). The forward is traced
   alone and its backward derived from it (:mod:`pyro_tmc.forward_trace`), except
-  where a custom ``autograd.Function`` is used: that step's backward is traced as
-  autograd runs it, so the Function's own backward is in the graph (unlike the
-  estimate-only program of :mod:`pyro_tmc.compiled`).
+  where a custom ``autograd.Function`` or a tensor hook is used: that step's
+  backward is traced as autograd runs it, so the Function's own backward is in the
+  graph (unlike the estimate-only program of :mod:`pyro_tmc.compiled`).
 - **A structure change that keeps every shape** (a Python ``if`` on a global
   flag) cannot be seen by a replayed graph. Every ``check_every``-th step of a key
   runs eagerly and compares its structure (each site's name, distribution,
@@ -286,7 +286,7 @@ def capture_step(
     holders = modules_holding(params)
     num_params = len(params)
     recorded: List[list] = []
-    customs: List[Optional[str]] = []
+    own_backward: List[bool] = []  # whether the step's backward must be traced as autograd runs it
 
     def run_loss(*inputs: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         leaves = list(inputs[:num_params])  # the parameters: the gradient is taken with respect to them
@@ -306,10 +306,7 @@ def capture_step(
     def forward(*inputs: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         with GradModeMarks(), HookWatch() as hooks:
             loss, underflow = run_loss(*inputs)
-        if hooks.hooked:
-            customs.append("a tensor hook")
-        else:
-            customs.append(custom_backward(loss) if loss.requires_grad else None)
+        own_backward.append(hooks.hooked or (loss.requires_grad and custom_backward(loss) is not None))
         return loss, underflow
 
     inputs = params + arguments
@@ -318,7 +315,7 @@ def capture_step(
         # step's graph is rewritten by rolling and may never run (tens of thousands of operations)
         with _use_lazy_graph_module(True):
             forward_graph = make_fx(forward, tracing_mode="fake")(*as_leaves(inputs, num_params))
-            if customs[-1] is None:
+            if not own_backward[-1]:
                 program = _backward_of(forward_graph, inputs, num_params, roll_above, batch_draws)
                 return Capture(program, forward_graph, recorded[0])
             # its own backward, as autograd runs it: about three operations per forward one
@@ -356,12 +353,12 @@ def _backward_of(
     if roll_above is not None and count_operations(forward) > roll_above:
         try:
             runner = rolled_runner(forward, batch_draws)
-            if count_groups(runner) < count_operations(forward):
+            operations = count_operations(forward)
+            if count_groups(runner) < operations:
                 # autograd's backward of the rolled forward still has a few per-step leftovers (the
                 # zero gradients of an unbind's unused outputs): rolled in turn
-                graph = derive_backward(runner, inputs, num_params)
-                graph = _rolled(graph, inputs, roll_above, batch_draws)
-                graph.meta[ROLLED_FROM] = count_operations(forward)
+                graph = _rolled(derive_backward(runner, inputs, num_params), inputs, roll_above, batch_draws)
+                graph.meta[ROLLED_FROM] = operations
                 return graph
         except Exception as error:  # the unrolled graph is always right
             _warn_not_rolled(error)
