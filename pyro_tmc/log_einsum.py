@@ -28,11 +28,12 @@ and are left alone. While tracing a graph (:func:`deferred_underflow_checks`),
 where no branch on values can run, each product records a flag instead, and the
 caller recomputes eagerly when one is set. A matrix product in a graph
 (:func:`log_matmul_exp`, a chain's links) is repaired in the graph instead: taken
-in float64, and where even that underflows, by max-plus through ``torch.cond``: the
-underflowed entries alone, a static number of them at most, else the whole product.
-So a stiff chain's captured steps are not each redone eagerly. That number is fitted to
-the entries the eager step before the capture repaired, product by product
-(:func:`counting_repairs`): a repair's work follows its capacity, not its need.
+in float64, and where even that underflows, by max-plus: the underflowed entries
+alone, a static number of them at most, else the whole product. So a stiff chain's
+captured steps are not each redone eagerly. That number is fitted to the entries the
+eager step before the capture repaired, product by product (:func:`counting_repairs`):
+a repair's work follows its capacity, not its need, and runs at every step, with no
+branch. A product with no count is repaired under ``torch.cond``, only where needed.
 
 Reference: the max-plus (tropical) product as the exact shift, e.g. Rush,
 "Torch-Struct: Deep Structured Prediction Library", ACL 2020 (its log semiring).
@@ -179,12 +180,14 @@ def deferred_underflow_checks(
     set (:func:`any_flag`).
 
     :param bool repair_in_graph: whether a matrix product (:func:`log_matmul_exp`)
-        repairs itself in the graph, through ``torch.cond``, instead of flagging.
-        Only for a graph whose backward is traced too: ``torch.cond``'s gradient is
-        a custom ``autograd.Function``, which an estimate-only graph would drop.
+        repairs itself in the graph instead of flagging. Only for a graph whose
+        backward is traced too: a repair without a count runs under ``torch.cond``,
+        whose gradient is a custom ``autograd.Function``, which an estimate-only
+        graph would drop.
     :param list repair_counts: what :func:`counting_repairs` collected from an
         eager run of what is traced: each product's repair is sized by its count
-        (:func:`repair_capacity`). ``None``: every product gets the default size.
+        (:func:`repair_capacity`) and runs at every step, with no ``torch.cond``.
+        ``None``: every product gets the default size, under ``torch.cond``.
     """
     flags: List[torch.Tensor] = []
     token = _DEFERRED_FLAGS.set(flags)
@@ -379,9 +382,11 @@ def _graph_log_matmul_exp(
     :func:`log_matmul_exp` in a traced graph, which cannot repair entries on demand.
     The product is taken in float64, whose range holds most chains' spreads. Where an
     entry still underflows (a stiff chain early in training: Fig. 4 of the paper), the
-    graph's ``torch.cond`` repairs it exactly by max-plus (:func:`_entries_branch`): the
-    underflowed entries alone, up to :func:`repair_capacity` of them (a small product's
-    all). Beyond that, and above :data:`GRAPH_REPAIR_ELEMENTS` terms, the product is
+    graph repairs it exactly by max-plus (:func:`_entries_branch`): the underflowed
+    entries alone, up to :func:`repair_capacity` of them (a small product's all, by
+    :func:`_exact_branch`). Sized by an eager step's count, the repair runs at every
+    step; sized by default, under ``torch.cond``, only where an entry underflowed.
+    Beyond the capacity, and above :data:`GRAPH_REPAIR_ELEMENTS` terms, the product is
     flagged, as an estimate's graph does, and the step redone eagerly. So Fig. 4's chain
     and small stiff chains replay with no eager redo.
     """
@@ -393,21 +398,35 @@ def _graph_log_matmul_exp(
     if terms > GRAPH_REPAIR_ELEMENTS:  # too large to hold every term at once: flag, as an estimate does
         _DEFERRED_FLAGS.get().append(low.any())
         return fast.to(x.dtype)
-    # torch.ops.higher_order.cond, not torch.cond: the latter traces its branches with
-    # dynamo, whose dynamic shapes fail here; the operator itself traces them with make_fx.
-    # The operands go in flat and contiguous: cond refuses operands that alias (slices of one
-    # stack), and inductor may lay out a matrix batch unlike the branch it compiled for it (it
-    # then fails an assertion), where a flat tensor has one layout.
-    flat = [t.reshape(-1).clone() for t in (x, y, fast.to(x.dtype), low)]
     hints = _REPAIR_HINTS.get()
-    capacity = repair_capacity(fast.numel(), None if hints is None else hints.next(fast.shape))
-    # the entries alone, or a small product whole by max-plus. One cond per product: each more costs
-    # ~0.5 ms a replay and seconds of capture, and a nested one is retraced once per enclosing trace
+    needed = None if hints is None else hints.next(fast.shape)
+    capacity = repair_capacity(fast.numel(), needed)
+    # the entries alone, or a small product whole by max-plus
     small = capacity >= fast.numel()
     shapes = (x.shape, y.shape, fast.shape)
-    entries = functools.partial(_entries_branch, capacity, shapes)
-    repair = functools.partial(_exact_branch, shapes) if small else entries
-    (value,) = torch.ops.higher_order.cond(low.any(), repair, _keep_branch, tuple(flat))
+    repair = (
+        functools.partial(_exact_branch, shapes)
+        if small
+        else functools.partial(_entries_branch, capacity, shapes)
+    )
+    operands = (x, y, fast.to(x.dtype), low)
+    if needed is not None:
+        # sized by what the eager step repaired: small, or needed at every step, so repaired at
+        # every step with no branch. A cond costs ~0.5 ms a replay and two subgraphs for inductor
+        # to compile (Fig. 4's 1,000-link chain: 133 s against 100 s), and keeps a step out of a
+        # CUDA graph (inductor refuses to capture one holding a cond)
+        (value,) = repair(*(t.reshape(-1) for t in operands))
+    else:
+        # no count (the product does not line up with the eager step's): sized by default, so
+        # repaired only at a step where an entry underflowed.
+        # torch.ops.higher_order.cond, not torch.cond: the latter traces its branches with dynamo,
+        # whose dynamic shapes fail here; the operator itself traces them with make_fx. The operands
+        # go in flat and contiguous: cond refuses operands that alias (slices of one stack), and
+        # inductor may lay out a matrix batch unlike the branch it compiled for it (it then fails
+        # an assertion), where a flat tensor has one layout. One cond per product: a nested one is
+        # retraced once per enclosing trace
+        flat = tuple(t.reshape(-1).clone() for t in operands)
+        (value,) = torch.ops.higher_order.cond(low.any(), repair, _keep_branch, flat)
     if not small:  # more underflowed entries than the capacity: the step is redone eagerly
         _DEFERRED_FLAGS.get().append(low.sum() > capacity)
     return value.reshape(fast.shape)

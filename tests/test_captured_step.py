@@ -402,8 +402,8 @@ def chain_loss(num_samples: int, **kwargs) -> TMC_ELBO:
 def test_a_stiff_chain_is_repaired_inside_the_graph():
     """
     Links of thousands of nats underflow float64's shifted products: the graph repairs
-    them itself (max-plus under torch.cond), so a replay is exact, equals the eager step
-    on the same draw, and is not redone eagerly.
+    them itself (max-plus), so a replay is exact, equals the eager step on the same
+    draw, and is not redone eagerly.
     """
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
@@ -413,6 +413,48 @@ def test_a_stiff_chain_is_repaired_inside_the_graph():
     _assert_same(
         *_replay_and_eager(make_loss, stiff_chain_model, chain_guide, (torch.tensor(0.7), 40)), rtol=1e-4
     )
+
+
+def _targets(graph: torch.fx.GraphModule) -> set:
+    return {node.target for node in graph.graph.nodes if node.op == "call_function"}
+
+
+def test_repairs_sized_by_the_eager_step_run_with_no_branch():
+    """
+    A capture sizes each product's repair by what its eager step repaired, and the
+    repair runs at every replay, with no ``torch.cond``: inductor keeps a step that
+    holds a cond out of a CUDA graph, and compiles its two branches apart. Captured
+    with no counts, the repairs sit under a cond; both graphs give the same numbers.
+    """
+    from pyro_tmc.captured_step import capture_step, flatten_arguments, unconstrained_parameters
+
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    loss = chain_loss(16, compile="graph")
+    args = (torch.tensor(0.7), 40)
+    for _ in range(2):  # eager (counting its repairs), then captured
+        loss.loss_and_grads(stiff_chain_model, chain_guide, *args)
+    (captured,) = loss.step_program._steps.values()
+    sized = _targets(captured.program)
+    assert torch.ops.aten.nonzero_static.default in sized  # a repair of some entries ...
+    assert torch.ops.higher_order.cond not in sized  # ... with no branch
+
+    names = list(pyro.get_param_store().keys())
+    arguments, _, rebuild = flatten_arguments(args, {})
+    differentiable_loss = lambda *a, **k: loss.differentiable_loss(stiff_chain_model, chain_guide, *a, **k)  # noqa: E731
+    uncounted = capture_step(differentiable_loss, names, arguments, rebuild).program
+    assert torch.ops.higher_order.cond in _targets(uncounted)
+    inputs = unconstrained_parameters(names) + arguments
+    state = torch.get_rng_state()
+    expected = uncounted(*inputs)
+    torch.set_rng_state(state)
+    actual = captured.program(*inputs)
+    assert len(actual) == len(expected)
+    for a, e in zip(actual, expected):  # the loss, its gradients, and "redo eagerly" flags (all unset)
+        if e.dtype == torch.bool:
+            assert not a.any() and not e.any()
+        else:
+            assert torch.allclose(a, e, rtol=1e-6, atol=1e-6 * max(1.0, e.abs().max().item()))
 
 
 @pytest.mark.parametrize("undersized", ["first capture", "every capture"])

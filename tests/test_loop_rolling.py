@@ -79,7 +79,7 @@ def test_long_chain_rolls_to_a_size_that_does_not_grow_with_its_length():
     (short_unrolled, short_rolled), (long_unrolled, long_rolled) = sizes[24], sizes[96]
     assert long_unrolled > 2.5 * short_unrolled, sizes  # the unrolled graph grows with the chain
     # the rolled one (draws batched) by the contraction tree's two more levels only (~100 operations
-    # each: a product, the cond of its repair, and their backward)
+    # each: a product, its repair, and their backward)
     assert long_rolled < short_rolled + 250 and long_rolled < long_unrolled / 3, sizes
 
 
