@@ -64,7 +64,7 @@ import pyro
 from pyro.poutine.messenger import Messenger
 
 from ._pyro import param_store_holding
-from .compiled import MODES, GraphFallback, estimates_eagerly, keeping_validation_default, warn_fallback
+from .compiled import MODES, GraphFallback, compiled_keeping_validation, estimates_eagerly, warn_fallback
 from .forward_trace import GradModeMarks, HookWatch, InGradModes, as_leaves, custom_backward, derive_backward
 from .log_einsum import any_flag, counting_repairs, deferred_underflow_checks
 from .loop_rolling import count_groups, count_operations, roll, rolled_runner
@@ -577,9 +577,8 @@ class StepProgram:
         specs = [_spec(p) for p in params]
         captured = CapturedStep(program, unrolled, names, specs, structure, [eager_seconds])
         if self.mode == "inductor" and not self._too_large(program):
-            options = {"dynamic": False, **self.options}
             _write_code(program)
-            captured.program = keeping_validation_default(torch.compile(program, **options))
+            captured.program = compiled_keeping_validation(program, self.options)
             captured.uncompiled = program
             captured.eager_seconds = None  # compiled: not timed against eager
         self._steps[key] = captured

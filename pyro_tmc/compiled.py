@@ -389,21 +389,26 @@ class EstimateProgram:
             return None
         self.traces += 1
         if self.mode == "inductor":
-            options = {"dynamic": False, **self.options}
-            return keeping_validation_default(torch.compile(graph, **options))
+            return compiled_keeping_validation(graph, self.options)
         return graph
 
 
 _MISSING = object()
 
 
-def keeping_validation_default(compiled: Callable) -> Callable:
+def compiled_keeping_validation(program: Callable, options: dict) -> Callable:
     """
-    The compiled program, run so that it leaves torch.distributions' default
-    validation as it found it: on first use, TorchDynamo switches it off for the
-    whole process (``torch/_dynamo/eval_frame.py``), which would silently turn
-    off the user's ``pyro.enable_validation``.
+    ``torch.compile`` of ``program`` (static shapes, and ``options``), made and
+    run so that it leaves torch.distributions' default validation as it found it:
+    TorchDynamo switches it off for the whole process (``torch/_dynamo/eval_frame.py``)
+    when ``torch.compile`` is first called, which would silently turn off the
+    user's ``pyro.enable_validation``.
     """
+    default = Distribution._validate_args
+    try:
+        compiled = torch.compile(program, **{"dynamic": False, **options})
+    finally:
+        Distribution.set_default_validate_args(default)
 
     def run(*inputs: torch.Tensor) -> torch.Tensor:
         default = Distribution._validate_args
