@@ -64,7 +64,14 @@ import pyro
 from pyro.poutine.messenger import Messenger
 
 from ._pyro import param_store_holding
-from .compiled import MODES, GraphFallback, compiled_keeping_validation, estimates_eagerly, warn_fallback
+from .compiled import (
+    MODES,
+    GraphFallback,
+    compiled_keeping_validation,
+    estimates_eagerly,
+    uses_cuda_graphs,
+    warn_fallback,
+)
 from .forward_trace import GradModeMarks, HookWatch, InGradModes, as_leaves, custom_backward, derive_backward
 from .log_einsum import any_flag, counting_repairs, deferred_underflow_checks
 from .loop_rolling import count_groups, count_operations, roll, rolled_runner
@@ -442,7 +449,7 @@ class StepProgram:
         self.options = dict(options or {})
         self.check_every = check_every
         #: CUDA graphs (torch.compile's "reduce-overhead" and "max-autotune" modes) reuse output buffers
-        self._outputs_reused = self.options.get("mode") in ("reduce-overhead", "max-autotune")
+        self._outputs_reused = mode == "inductor" and uses_cuda_graphs(self.options)
         self._steps: Dict[tuple, CapturedStep] = {}
         self._seen: Dict[tuple, int] = {}  # key -> steps taken
         self._refitted: set = set()  # keys captured again because their repairs were too small

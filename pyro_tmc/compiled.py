@@ -55,6 +55,13 @@ from .scales import ScalePlan
 
 MODES = (None, "graph", "inductor")
 
+#: inductor settings passed with each ``torch.compile`` call (never set process-wide). In a
+#: captured step many nodes read the same buffer, and for each buffer inductor's fusion search
+#: tries every node against its next 64 (default): 250k candidate pairs, a quarter of the
+#: compile, for Fig. 4's 1,000-link chain. 16 cut its compile from 100 s to 80 s, with the
+#: same replay time (benchmarks/BENCHMARKS.md, "Issue 19, eighth part").
+INDUCTOR_SETTINGS = {"max_fusion_buffer_group_pairwise_attempts": 16}
+
 #: plans kept per loss: a model whose plan changes every step stops being traced after this many
 MAX_PLANS = 16
 
@@ -396,17 +403,43 @@ class EstimateProgram:
 _MISSING = object()
 
 
+def compile_keywords(options: dict) -> dict:
+    """
+    The keyword arguments for ``torch.compile`` given a loss's ``compile_options``:
+    static shapes (a new shape is a new capture) and :data:`INDUCTOR_SETTINGS`,
+    unless ``options`` say otherwise. ``torch.compile`` takes a ``mode`` or
+    ``options``, not both, so a mode goes in as the settings it stands for
+    (``torch._inductor.list_mode_options``). Another backend gets ``options`` as given.
+    """
+    keywords = {"dynamic": False, **options}
+    if keywords.get("backend", "inductor") != "inductor":
+        return keywords
+    mode = keywords.pop("mode", None)
+    from_mode = {}
+    if mode is not None:
+        from torch._inductor import list_mode_options  # imported only when asked: inductor is heavy
+
+        from_mode = list_mode_options(mode)
+    keywords["options"] = {**INDUCTOR_SETTINGS, **from_mode, **(keywords.get("options") or {})}
+    return keywords
+
+
+def uses_cuda_graphs(options: dict) -> bool:
+    """Whether ``torch.compile`` with these ``compile_options`` replays CUDA graphs."""
+    return bool(compile_keywords(options).get("options", {}).get("triton.cudagraphs", False))
+
+
 def compiled_keeping_validation(program: Callable, options: dict) -> Callable:
     """
-    ``torch.compile`` of ``program`` (static shapes, and ``options``), made and
-    run so that it leaves torch.distributions' default validation as it found it:
-    TorchDynamo switches it off for the whole process (``torch/_dynamo/eval_frame.py``)
-    when ``torch.compile`` is first called, which would silently turn off the
-    user's ``pyro.enable_validation``.
+    ``torch.compile`` of ``program`` (with :func:`compile_keywords` of ``options``),
+    made and run so that it leaves torch.distributions' default validation as it
+    found it: TorchDynamo switches it off for the whole process
+    (``torch/_dynamo/eval_frame.py``) when ``torch.compile`` is first called, which
+    would silently turn off the user's ``pyro.enable_validation``.
     """
     default = Distribution._validate_args
     try:
-        compiled = torch.compile(program, **{"dynamic": False, **options})
+        compiled = torch.compile(program, **compile_keywords(options))
     finally:
         Distribution.set_default_validate_args(default)
 

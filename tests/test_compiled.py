@@ -253,6 +253,31 @@ def test_unknown_mode_is_refused():
         TMC_ELBO(4, 1, compile="graph", compile_options={"mode": "reduce-overhead"})
 
 
+def test_compile_keywords_carry_the_settings_and_the_mode():
+    """
+    torch.compile takes a mode or options, not both: a mode goes in as its settings,
+    beside pyro_tmc's own, which a user's options override. Another backend gets the
+    user's keywords untouched.
+    """
+    from pyro_tmc.compiled import INDUCTOR_SETTINGS, compile_keywords, uses_cuda_graphs
+
+    assert compile_keywords({}) == {"dynamic": False, "options": INDUCTOR_SETTINGS}
+    reduce_overhead = compile_keywords({"mode": "reduce-overhead"})
+    assert "mode" not in reduce_overhead
+    assert reduce_overhead["options"] == {**INDUCTOR_SETTINGS, "triton.cudagraphs": True}
+    assert uses_cuda_graphs({"mode": "max-autotune"}) and not uses_cuda_graphs({})
+    assert uses_cuda_graphs({"options": {"triton.cudagraphs": True}})
+    setting = next(iter(INDUCTOR_SETTINGS))
+    assert compile_keywords({"options": {setting: 64}})["options"][setting] == 64
+    assert compile_keywords({"backend": "aot_eager", "mode": "default"}) == {
+        "dynamic": False,
+        "backend": "aot_eager",
+        "mode": "default",
+    }
+    with pytest.raises(RuntimeError, match="Unrecognized mode"):
+        compile_keywords({"mode": "fastest"})
+
+
 def test_inductor_leaves_validation_as_it_was():
     """torch.compile switches distribution validation off process-wide on first use; it is restored."""
     torch._dynamo.reset()
