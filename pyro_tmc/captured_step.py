@@ -80,9 +80,10 @@ from .loop_rolling import count_groups, count_operations, roll, rolled_runner
 MAX_CAPTURES = 8
 
 #: a captured step with more operations than this is not compiled by inductor (its compile
-#: time grows with them: about 90 s for 2,900 on this project's 2-core CPU); it is replayed
-#: uncompiled instead (``StepProgram.max_inductor_nodes``; ``None``: no limit)
-MAX_INDUCTOR_NODES = 2000
+#: time grows with them: about 80 s for the 2,340 of Fig. 4's 1,000-link chain on this
+#: project's 2-core CPU); it is replayed uncompiled instead (``StepProgram.max_inductor_nodes``;
+#: ``None``: no limit)
+MAX_INDUCTOR_NODES = 3000
 
 #: a captured step whose forward has more operations than this is rolled (:mod:`pyro_tmc.loop_rolling`):
 #: its repeated blocks, a ``pyro.markov`` loop's steps, batched into one operation each; the whole
