@@ -310,8 +310,13 @@ def _add_compiled_row(case: "Case", name: str, mode: str, device: str, step, fir
     start = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", RuntimeWarning)
-        for _ in range(first_calls):
-            step()
+        try:
+            for _ in range(first_calls):
+                step()
+        except Exception as e:  # report and go on (e.g. a CUDA graph that cannot be captured)
+            reason = " ".join(str(e).split()).replace("|", "/")[:160] or type(e).__name__
+            case.failed[name] = f"failed: {type(e).__name__}: {reason}"
+            return
     _sync(device)
     fallbacks = [str(w.message) for w in caught if "pyro_tmc could not" in str(w.message)]
     if fallbacks:
@@ -327,7 +332,7 @@ def add_program_step(case: "Case", mode: str, device: str, loss, model, guide, *
     _add_compiled_row(case, name, mode, device, _pyro_step(loss, model, guide, *args), first_calls=1)
 
 
-def add_captured_step(case: "Case", mode: str, device: str, loss, model, guide, *args) -> None:
+def add_captured_step(case: "Case", mode: str, device: str, loss, model, guide, *args, label=None) -> None:
     """
     A row for the whole step captured (``loss_and_grads`` under ``TMC_ELBO(compile=mode)``,
     :mod:`pyro_tmc.captured_step`): guide, model, estimate and gradients in one graph. The
@@ -343,7 +348,7 @@ def add_captured_step(case: "Case", mode: str, device: str, loss, model, guide, 
             p.unconstrained().grad = None
         return torch.tensor(value)  # loss_and_grads returns a float
 
-    name = f"{PYRO_TMC} compile={mode!r}, whole step"
+    name = f"{PYRO_TMC} compile={label or repr(mode)}, whole step"
     _add_compiled_row(case, name, mode, device, step, first_calls=3)
 
 
@@ -374,6 +379,17 @@ def toy_case(num_data: int, num_samples: int, device: str, compiled: bool) -> Ca
             models.toy_model,
             models.toy_guide,
             x,
+        )
+    if compiled and device == "cuda":  # the whole step in one CUDA graph: one launch per step
+        add_captured_step(
+            case,
+            "inductor",
+            device,
+            TMC_ELBO(num_samples=num_samples, max_plate_nesting=1, **CUDA_GRAPHS),
+            models.toy_model,
+            models.toy_guide,
+            x,
+            label=CUDA_GRAPHS_LABEL,
         )
     if compiled and device == "cuda":  # CUDA graphs: one launch for the estimate's kernels
         add_program_step(
@@ -457,8 +473,12 @@ def hmm_case(length: int, device: str) -> Case:
 
 
 #: the longest chain whose rolled whole step is also compiled by inductor here: at N=1000 the rolled
-#: step has about 1,750 operations (below ``max_inductor_nodes``), and its compile takes about 110 s
+#: step has about 2,340 operations (below ``max_inductor_nodes``), and its compile takes about 80 s
 CHAIN_INDUCTOR_MAX = 1000
+
+#: a whole step compiled by inductor and replayed as a CUDA graph
+CUDA_GRAPHS = {"compile": "inductor", "compile_options": {"mode": "reduce-overhead"}}
+CUDA_GRAPHS_LABEL = "inductor, mode='reduce-overhead'"
 
 
 def add_compiled_handwritten(case: Case, name: str, loss_fn: Callable[[], torch.Tensor], device: str) -> None:
@@ -518,15 +538,23 @@ def chain_case(num_steps: int, num_samples: int, device: str) -> Case:
         N,
     )
     if N <= CHAIN_INDUCTOR_MAX:  # the rolled step is small enough for inductor to compile
+        # on a GPU, in one CUDA graph (a launch-bound step's floor), in place of the plain
+        # inductor row: each compile of the N=1000 step takes minutes
+        cuda_graphs = device == "cuda"
         add_captured_step(
             case,
             "inductor",
             device,
-            TMC_ELBO(num_samples=K, max_plate_nesting=0, compile="inductor"),
+            TMC_ELBO(
+                num_samples=K,
+                max_plate_nesting=0,
+                **(CUDA_GRAPHS if cuda_graphs else {"compile": "inductor"}),
+            ),
             chain_model,
             chain_guide,
             x,
             N,
+            label=CUDA_GRAPHS_LABEL if cuda_graphs else None,
         )
     case.steps["hand-written sequential"] = _backward_step(sequential)
     case.steps["hand-written log-depth tree"] = _backward_step(tree)

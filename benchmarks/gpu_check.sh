@@ -14,6 +14,8 @@ timeout 120 python3 -m pytest -q -p no:cacheprovider -k cuda tests/test_tmc_elbo
 # 2026-11-27 on an H100 the N=100 chain alone took 170 s of a 250 s limit (inductor compile 76 s):
 # the frontier gets the rest of the call; run.py's eager grid was recorded then (cuda_h100/whole_step).
 # The toy N=128 K=8 ("overhead", the GPU toy target) first: the chain now also compiles its N=1000
-# whole step with inductor (about 150 s on the CPU host), which may use up the rest of the call
+# whole step with inductor (about 80 s on the CPU host), which may use up the rest of the call.
+# On CUDA the chain's and the toy's inductor whole steps replay as CUDA graphs (mode="reduce-overhead"):
+# the repairs have no torch.cond since 0ac1e3b, and a cond kept inductor from capturing a CUDA graph
 timeout 420 python3 benchmarks/frontier.py --device cuda --repeats 5 --only overhead,chain,toy,hmm \
     --out "$OUT/frontier_cuda.md" 2>&1 | tee "$OUT/frontier_log.txt"
