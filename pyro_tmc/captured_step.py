@@ -67,7 +67,7 @@ from ._pyro import param_store_holding
 from .compiled import (
     MODES,
     GraphFallback,
-    compiled_keeping_validation,
+    compiled_step_graph,
     estimates_eagerly,
     uses_cuda_graphs,
     warn_fallback,
@@ -586,7 +586,7 @@ class StepProgram:
         captured = CapturedStep(program, unrolled, names, specs, structure, [eager_seconds])
         if self.mode == "inductor" and not self._too_large(program):
             _write_code(program)
-            captured.program = compiled_keeping_validation(program, self.options)
+            captured.program = compiled_step_graph(program, self.options)
             captured.uncompiled = program
             captured.eager_seconds = None  # compiled: not timed against eager
         self._steps[key] = captured

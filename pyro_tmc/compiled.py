@@ -429,6 +429,37 @@ def uses_cuda_graphs(options: dict) -> bool:
     return bool(compile_keywords(options).get("options", {}).get("triton.cudagraphs", False))
 
 
+def compiled_step_graph(graph: torch.fx.GraphModule, options: dict) -> Callable:
+    """
+    Inductor's compile of a captured step's graph, made from the graph itself
+    (``torch._inductor.compile``) at its first call, with that call's inputs as
+    examples. Dynamo is left out: it would trace the graph's code once more, and
+    its guarded call cost ~2 ms a replay (Fig. 4's 100-link chain: 7.3-8.1 ms
+    through ``torch.compile``, 5.1-5.7 ms straight; its compile 60-62 s against
+    48-53 s, and 83 s against 70 s at 1,000 links). The graph holds its own
+    backward, so it is compiled for inference; it must be called without grad. CUDA graphs (a ``mode`` such as
+    ``"reduce-overhead"``) and another backend go through ``torch.compile``.
+    """
+    keywords = compile_keywords(options)
+    if keywords.get("backend", "inductor") != "inductor" or uses_cuda_graphs(options):
+        return compiled_keeping_validation(graph, options)
+    settings = keywords["options"]
+    compiled: Optional[Callable] = None
+
+    def run(*inputs: torch.Tensor):
+        nonlocal compiled
+        # contiguous: the compiled code assumes its example inputs' strides, and no guard
+        # recompiles it for others (a key holds shapes, not strides); a no-op for the usual inputs
+        inputs = tuple(t.contiguous() for t in inputs)
+        if compiled is None:
+            from torch._inductor import compile as inductor_compile  # imported only when used
+
+            compiled = inductor_compile(graph, [t.detach() for t in inputs], options=settings)
+        return compiled(*inputs)
+
+    return run
+
+
 def compiled_keeping_validation(program: Callable, options: dict) -> Callable:
     """
     ``torch.compile`` of ``program`` (with :func:`compile_keywords` of ``options``),

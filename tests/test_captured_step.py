@@ -543,18 +543,41 @@ def test_replayed_step_equals_eager_step_cuda(stiff):
     _assert_same(*_replay_and_eager(make_loss, model, device_chain_guide, (x, 40)), rtol=1e-4)
 
 
+def test_a_cuda_graph_mode_compiles_through_torch_compile(monkeypatch):
+    """
+    The step's graph is compiled by inductor straight (no dynamo), except where CUDA
+    graphs are asked for: those go through ``torch.compile``, whose CUDA-graph trees
+    replay them. On the CPU inductor skips the CUDA graph; the replay equals the eager step.
+    """
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    torch._dynamo.reset()
+    calls = []
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda *a, **k: calls.append(k) or real_compile(*a, **k))
+    x = torch.randn(6)
+
+    def make_loss(**kwargs):
+        return TMC_ELBO(
+            num_samples=4, max_plate_nesting=1, compile_options={"mode": "reduce-overhead"}, **kwargs
+        )
+
+    replayed, eager = _replay_and_eager(make_loss, toy_model, toy_guide, (x,), mode="inductor")
+    _assert_same(replayed, eager)
+    assert calls and all(k["options"]["triton.cudagraphs"] for k in calls)
+
+
 def test_a_failed_inductor_compile_replays_uncompiled(monkeypatch):
     """Inductor compiles at the first replay; if that fails, the step warns and replays the graph."""
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
 
-    def failing_compile(program, **options):
-        def run(*inputs):
-            raise RuntimeError("inductor refused")
+    import torch._inductor
 
-        return run
+    def failing_compile(graph, example_inputs, options=None):  # as torch._inductor.compile
+        raise RuntimeError("inductor refused")
 
-    monkeypatch.setattr(torch, "compile", failing_compile)
+    monkeypatch.setattr(torch._inductor, "compile", failing_compile)
     x = torch.randn(6)
     loss = TMC_ELBO(num_samples=4, max_plate_nesting=1, compile="inductor")
     with pytest.warns(RuntimeWarning, match="inductor refused"):

@@ -78,7 +78,11 @@ class TMC_ELBO(DifferentiableLossELBO):
         equal the eager step's on the same draws; what cannot be captured runs
         eagerly, with one warning saying why.
     :param dict compile_options: keyword arguments for ``torch.compile`` with
-        ``compile="inductor"``, e.g. ``{"mode": "reduce-overhead"}`` (CUDA graphs).
+        ``compile="inductor"``, e.g. ``{"mode": "reduce-overhead"}`` (CUDA graphs),
+        or ``{"options": {...}}`` (inductor settings). A captured whole step is
+        compiled by inductor from its graph directly (``torch._inductor.compile``,
+        with those settings), except with CUDA graphs or another ``backend``
+        (:func:`pyro_tmc.compiled.compiled_step_graph`).
     :param str compile_scope: ``"step"`` (default): capture whole steps, as
         above; ``"estimate"``: run guide and model eagerly and capture only the
         estimate from their traces (:mod:`pyro_tmc.compiled`), for a model whose
