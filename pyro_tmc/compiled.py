@@ -437,8 +437,9 @@ def compiled_step_graph(graph: torch.fx.GraphModule, options: dict) -> Callable:
     its guarded call cost ~2 ms a replay (Fig. 4's 100-link chain: 7.3-8.1 ms
     through ``torch.compile``, 5.1-5.7 ms straight; its compile 60-62 s against
     48-53 s, and 83 s against 70 s at 1,000 links). The graph holds its own
-    backward, so it is compiled for inference; it must be called without grad. CUDA graphs (a ``mode`` such as
-    ``"reduce-overhead"``) and another backend go through ``torch.compile``.
+    backward, so it is compiled for inference; it must be called without grad.
+    CUDA graphs (a ``mode`` such as ``"reduce-overhead"``) and another backend
+    go through ``torch.compile``.
     """
     keywords = compile_keywords(options)
     if keywords.get("backend", "inductor") != "inductor" or uses_cuda_graphs(options):
