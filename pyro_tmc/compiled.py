@@ -469,6 +469,8 @@ def compiled_keeping_validation(program: Callable, options: dict) -> Callable:
     (``torch/_dynamo/eval_frame.py``) when ``torch.compile`` is first called, which
     would silently turn off the user's ``pyro.enable_validation``.
     """
+    import torch._functorch.config as functorch_config  # loaded by torch.compile anyway
+
     default = Distribution._validate_args
     try:
         compiled = torch.compile(program, **compile_keywords(options))
@@ -478,7 +480,11 @@ def compiled_keeping_validation(program: Callable, options: dict) -> Callable:
     def run(*inputs: torch.Tensor) -> torch.Tensor:
         default = Distribution._validate_args
         try:
-            return compiled(*inputs)
+            # compiled (lazily, at a call) with no donated buffers: a backward that reuses its
+            # saved tensors' memory refuses retain_graph=True, which STL's and DReGs' inner
+            # gradient of the estimate passes, so their steps raised (compile_scope="estimate")
+            with functorch_config.patch(donated_buffer=False):
+                return compiled(*inputs)
         finally:
             Distribution.set_default_validate_args(default)
 

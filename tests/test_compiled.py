@@ -278,6 +278,29 @@ def test_compile_keywords_carry_the_settings_and_the_mode():
         compile_keywords({"mode": "fastest"})
 
 
+@pytest.mark.parametrize("variance_reduction", ["stl", "dregs"])
+def test_inductor_estimate_takes_the_inner_gradient(variance_reduction):
+    """
+    STL and DReGs differentiate the estimate inside the step (``retain_graph=True``).
+    A compiled backward with donated buffers refuses that: such a step raised under
+    ``compile="inductor"`` wherever it used the estimate program.
+    """
+    torch._dynamo.reset()
+    pyro.clear_param_store()
+    x = torch.randn(5)
+    eager = TMC_ELBO(4, 1, variance_reduction=variance_reduction)
+    program = TMC_ELBO(
+        4, 1, variance_reduction=variance_reduction, compile="inductor", compile_scope="estimate"
+    )
+    _loss_and_grads(eager, toy_model, toy_guide, (x,), 0)
+    for seed in (1, 2):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # no fallback to eager
+            result = _loss_and_grads(program, toy_model, toy_guide, (x,), seed)
+        _assert_same(_loss_and_grads(eager, toy_model, toy_guide, (x,), seed), result)
+    assert program.program.traces >= 1  # the estimate ran compiled
+
+
 def test_inductor_leaves_validation_as_it_was():
     """torch.compile switches distribution validation off process-wide on first use; it is restored."""
     torch._dynamo.reset()
