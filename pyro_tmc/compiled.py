@@ -426,7 +426,8 @@ def compile_keywords(options: dict) -> dict:
 
 def uses_cuda_graphs(options: dict) -> bool:
     """Whether ``torch.compile`` with these ``compile_options`` replays CUDA graphs."""
-    return bool(compile_keywords(options).get("options", {}).get("triton.cudagraphs", False))
+    settings = compile_keywords(options).get("options") or {}
+    return bool(settings.get("triton.cudagraphs", False))
 
 
 def compiled_step_graph(graph: torch.fx.GraphModule, options: dict) -> Callable:
@@ -442,9 +443,9 @@ def compiled_step_graph(graph: torch.fx.GraphModule, options: dict) -> Callable:
     go through ``torch.compile``.
     """
     keywords = compile_keywords(options)
-    if keywords.get("backend", "inductor") != "inductor" or uses_cuda_graphs(options):
+    settings = keywords.get("options") or {}
+    if keywords.get("backend", "inductor") != "inductor" or settings.get("triton.cudagraphs", False):
         return compiled_keeping_validation(graph, options)
-    settings = keywords["options"]
     compiled: Optional[Callable] = None
 
     def run(*inputs: torch.Tensor):
