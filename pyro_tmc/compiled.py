@@ -420,8 +420,15 @@ def compile_keywords(options: dict) -> dict:
         from torch._inductor import list_mode_options  # imported only when asked: inductor is heavy
 
         from_mode = list_mode_options(mode)
-    keywords["options"] = {**INDUCTOR_SETTINGS, **from_mode, **(keywords.get("options") or {})}
+    keywords["options"] = {**_known_inductor_settings(), **from_mode, **(keywords.get("options") or {})}
     return keywords
+
+
+def _known_inductor_settings() -> dict:
+    """:data:`INDUCTOR_SETTINGS` that this torch's inductor has (an older one refuses an unknown key)."""
+    import torch._inductor.config as inductor_config  # imported only when asked: inductor is heavy
+
+    return {key: value for key, value in INDUCTOR_SETTINGS.items() if hasattr(inductor_config, key)}
 
 
 def uses_cuda_graphs(options: dict) -> bool:
