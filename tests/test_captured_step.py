@@ -567,6 +567,41 @@ def test_a_cuda_graph_mode_compiles_through_torch_compile(monkeypatch):
     assert calls and all(k["options"]["triton.cudagraphs"] for k in calls)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_graph_step_draws_afresh_and_equals_eager_cuda():
+    """
+    On CUDA, mode="reduce-overhead" replays the step as a CUDA graph. Each replay must
+    draw afresh (a graph that froze its draws would repeat one estimate), leave gradients
+    that the next replay does not overwrite, and, with inductor's ``fallback_random``
+    (eager's random ops), equal the eager step on the same generator state.
+    """
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    torch._dynamo.reset()
+    x = torch.tensor(0.7, device="cuda")
+    options = {"mode": "reduce-overhead", "options": {"fallback_random": True}}
+    make_loss = functools.partial(chain_loss, 8, compile_options=options)
+    replayed, eager = _replay_and_eager(make_loss, chain_model, device_chain_guide, (x, 12), mode="inductor")
+    _assert_same(replayed, eager, rtol=1e-4)
+
+    loss = make_loss(compile="inductor")
+    args = (x, 12)
+    for _ in range(2):  # eager, then captured
+        loss.loss_and_grads(chain_model, device_chain_guide, *args)
+    params = _params()
+    values, kept = [], []
+    for _ in range(4):
+        for p in params.values():
+            p.grad = None
+        values.append(loss.loss_and_grads(chain_model, device_chain_guide, *args))
+        grad = params["chain_loc"].grad
+        kept.append((grad, grad.clone()))  # the tensor itself, and its numbers then
+    assert loss.step_program.replays >= 4
+    assert len(set(values)) == len(values), values  # fresh draws at every replay
+    for grad, numbers in kept:  # no later replay wrote into an earlier step's .grad
+        assert torch.equal(grad, numbers)
+
+
 def test_a_failed_inductor_compile_replays_uncompiled(monkeypatch):
     """Inductor compiles at the first replay; if that fails, the step warns and replays the graph."""
     pyro.clear_param_store()
