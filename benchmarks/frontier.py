@@ -498,7 +498,7 @@ def add_compiled_handwritten(case: Case, name: str, loss_fn: Callable[[], torch.
         case.failed[name] = f"compile failed: {type(e).__name__}: {reason}"
 
 
-def chain_case(num_steps: int, num_samples: int, device: str) -> Case:
+def chain_case(num_steps: int, num_samples: int, device: str, graph_rows: bool = True) -> Case:
     N, K = num_steps, num_samples
     case = Case(f"chain N={N} K={K}")
     x = torch.tensor(CHAIN_X, device=device)
@@ -516,27 +516,27 @@ def chain_case(num_steps: int, num_samples: int, device: str) -> Case:
     case.steps[PYRO_TMC] = _pyro_step(
         TMC_ELBO(num_samples=K, max_plate_nesting=0), chain_model, chain_guide, x, N
     )
-    # inductor's compile of a graph with ~N * 30 operations takes minutes (76 s at N=100): left out
-    add_program_step(
-        case,
-        "graph",
-        device,
-        TMC_ELBO(num_samples=K, max_plate_nesting=0, compile="graph"),
-        chain_model,
-        chain_guide,
-        x,
-        N,
-    )
-    add_captured_step(
-        case,
-        "graph",
-        device,
-        TMC_ELBO(num_samples=K, max_plate_nesting=0, compile="graph"),
-        chain_model,
-        chain_guide,
-        x,
-        N,
-    )
+    if graph_rows:  # the uncompiled captures: --lean leaves them out
+        add_program_step(
+            case,
+            "graph",
+            device,
+            TMC_ELBO(num_samples=K, max_plate_nesting=0, compile="graph"),
+            chain_model,
+            chain_guide,
+            x,
+            N,
+        )
+        add_captured_step(
+            case,
+            "graph",
+            device,
+            TMC_ELBO(num_samples=K, max_plate_nesting=0, compile="graph"),
+            chain_model,
+            chain_guide,
+            x,
+            N,
+        )
     if N <= CHAIN_INDUCTOR_MAX:  # the rolled step is small enough for inductor to compile
         # on a GPU, in one CUDA graph (a launch-bound step's floor), in place of the plain
         # inductor row: each compile of the N=1000 step takes minutes
@@ -556,6 +556,17 @@ def chain_case(num_steps: int, num_samples: int, device: str) -> Case:
             N,
             label=CUDA_GRAPHS_LABEL if cuda_graphs else None,
         )
+        if cuda_graphs and any(CUDA_GRAPHS_LABEL in name for name in case.failed):  # then without
+            add_captured_step(
+                case,
+                "inductor",
+                device,
+                TMC_ELBO(num_samples=K, max_plate_nesting=0, compile="inductor"),
+                chain_model,
+                chain_guide,
+                x,
+                N,
+            )
     case.steps["hand-written sequential"] = _backward_step(sequential)
     case.steps["hand-written log-depth tree"] = _backward_step(tree)
     case.steps["hand-written log-depth tree, exact"] = _backward_step(exact_tree)
@@ -670,9 +681,15 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny sizes, 2 repeats")
     parser.add_argument("--skip-long", action="store_true", help="leave out the N=1000 chain")
     parser.add_argument("--no-compile", action="store_true", help="leave out torch.compile")
+    parser.add_argument(
+        "--lean", action="store_true", help="leave out the chains' compile='graph' rows (a short GPU lease)"
+    )
     parser.add_argument("--out", default=None, help="also write the table (markdown) to this path")
     parser.add_argument(
-        "--only", default=None, help="comma-separated cases to run: toy, chain, overhead, hmm (default: all)"
+        "--only",
+        default=None,
+        help="comma-separated cases, run in this order: toy, chain (or one length: chain100, "
+        "chain1000), overhead, hmm (default: all)",
     )
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -715,27 +732,34 @@ def main(argv=None) -> None:
 
     notes: List[str] = []
     compiled = not args.no_compile
+    graph_rows = not args.lean
     cases = {
         "toy": [lambda n=n, k=k: toy_case(n, k, args.device, compiled) for n, k in toy_sizes],
-        "chain": [lambda n=n: chain_case(n, chain_k, args.device) for n in chain_sizes],
+        "chain": [lambda n=n: chain_case(n, chain_k, args.device, graph_rows) for n in chain_sizes],
+        # one chain length alone (chain100, chain1000), to order the cases of a short GPU lease
+        **{f"chain{n}": [lambda n=n: chain_case(n, chain_k, args.device, graph_rows)] for n in chain_sizes},
         "overhead": [lambda: toy_case(overhead[0], overhead[1], args.device, compiled)],
         "hmm": [lambda n=n: hmm_case(n, args.device) for n in hmm_lengths],
     }
     kinds = args.only.split(",") if args.only else list(cases)
     cases = [make for kind in kinds for make in cases[kind]]
+
+    def write_table() -> None:  # after every case: a run stopped by its limit keeps what it finished
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write("\n".join(header + [""] + table + [""] + [f"- {note}" for note in notes]) + "\n")
+
     try:
         for make in cases:
             case = make()
             table += run_case(case, repeats, args.device)
             notes += case.notes
+            write_table()
     finally:
         shutil.rmtree(cache_dir, ignore_errors=True)
 
-    text = "\n".join(header + [""] + table + [""] + [f"- {note}" for note in notes]) + "\n"
     print("\n" + "\n".join(f"- {note}" for note in notes), flush=True)
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
         print(f"wrote {args.out}")
 
 
