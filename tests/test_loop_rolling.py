@@ -18,7 +18,13 @@ import pyro
 import pyro.distributions as dist
 
 from pyro_tmc import TMC_ELBO
-from pyro_tmc.captured_step import ROLLED_FROM, capture_step, flatten_arguments, unconstrained_parameters
+from pyro_tmc.captured_step import (
+    ROLLED_FROM,
+    batches_draws,
+    capture_step,
+    flatten_arguments,
+    unconstrained_parameters,
+)
 from pyro_tmc.loop_rolling import count_operations, roll
 
 try:
@@ -177,3 +183,54 @@ def test_svi_on_a_rolled_chain_matches_the_eager_losses_on_average():
     tail_e, tail_r = eager[-50:], rolled[-50:]
     stderr = math.sqrt(tail_e.var() / 50 + tail_r.var() / 50)
     assert abs(tail_e.mean() - tail_r.mean()) < 4 * stderr + 0.05
+
+
+def test_draws_are_batched_by_default_only_under_inductor_on_cuda():
+    """
+    By default a rolled step keeps the eager step's numbers, except a step that inductor
+    compiles on CUDA: there each draw would stay an operation (and a kernel) of its own.
+    A setting of True or False wins everywhere.
+    """
+    assert batches_draws(None, "inductor", {"cuda"})
+    assert batches_draws(None, "inductor", {"cpu", "cuda"})
+    assert not batches_draws(None, "inductor", {"cpu"})
+    assert not batches_draws(None, "graph", {"cuda"})
+    assert not batches_draws(False, "inductor", {"cuda"})
+    assert batches_draws(True, "graph", {"cpu"})
+
+
+def _random_operations(graph) -> int:
+    return sum(
+        node.op == "call_function"
+        and isinstance(node.target, torch._ops.OpOverload)
+        and torch.Tag.nondeterministic_seeded in node.target.tags
+        for node in graph.graph.nodes
+    )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_rolled_chain_under_inductor_on_cuda_batches_its_draws_cuda():
+    """
+    Under inductor on CUDA a rolled chain draws its particles in a few batched draws, not
+    one per link, and stays unbiased (the exact marginal likelihood of a Gaussian chain).
+    """
+    x, length = torch.tensor(0.8, dtype=torch.float64, device="cuda"), 12
+
+    def guide(x, N):
+        for i in pyro.markov(range(1, N + 1)):
+            pyro.sample(f"z_{i}", dist.Normal(x.new_zeros(()), math.sqrt(i / N)))
+
+    pyro.set_rng_seed(0)
+    loss = TMC_ELBO(num_samples=6, max_plate_nesting=0, compile="inductor")
+    loss.step_program.roll_above, loss.step_program.choose_faster = 0, False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # rolled, compiled and replayed, no fallback
+        weights = torch.tensor(
+            [math.exp(-loss.loss_and_grads(chain_model, guide, x, length)) for _ in range(2000)]
+        )
+    captured = next(iter(loss.step_program._steps.values()))
+    assert _random_operations(captured.uncompiled) < 4, _random_operations(captured.uncompiled)
+    assert loss.step_program.replays >= 1950  # all but the first two and the structure checks
+    exact = math.exp(dist.Normal(0.0, math.sqrt(2.0)).log_prob(torch.tensor(0.8)).item())
+    mean, stderr = weights.mean().item(), weights.std().item() / math.sqrt(len(weights))
+    assert abs(mean - exact) < 4 * stderr, (mean, exact, stderr)
