@@ -9,12 +9,13 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-results/gpu}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, pyro; print('torch', torch.__version__, 'pyro', pyro.__version__)" | tee -a "$OUT/gpu.txt"
-timeout 130 python3 -m pytest -q -p no:cacheprovider -k cuda tests/test_tmc_elbo.py tests/test_tmc_ground_truth.py \
+timeout 200 python3 -m pytest -q -p no:cacheprovider -k cuda tests/test_tmc_elbo.py tests/test_tmc_ground_truth.py \
     tests/test_compiled.py tests/test_captured_step.py 2>&1 | tee "$OUT/cuda_tests.txt"
+# 2026-11-27 on an H200 the CUDA tests needed more than 130 s; the frontier below took about 300 s.
 # The GPU targets first, one case at a time (the table is rewritten after each): the toy N=128 K=8
 # ("overhead"), the N=100 chain, the other toys, then the N=1000 chain, whose inductor compile
 # takes minutes. --lean leaves out the chains' uncompiled compile='graph' rows. On CUDA the chain's
 # and the toy's inductor whole steps replay as CUDA graphs (mode="reduce-overhead"); perf_hints
 # logs why inductor skips one, if it does.
-TORCH_LOGS=perf_hints timeout 420 python3 benchmarks/frontier.py --device cuda --repeats 5 --lean \
+TORCH_LOGS=perf_hints timeout 380 python3 benchmarks/frontier.py --device cuda --repeats 5 --lean \
     --only overhead,chain100,toy,chain1000,hmm --out "$OUT/frontier_cuda.md" 2>&1 | tee "$OUT/frontier_log.txt"
