@@ -406,7 +406,7 @@ _MISSING = object()
 def compile_keywords(options: dict) -> dict:
     """
     The keyword arguments for ``torch.compile`` given a loss's ``compile_options``:
-    static shapes (a new shape is a new capture) and :data:`INDUCTOR_SETTINGS`,
+    static shapes (a new shape is a new capture) and :func:`inductor_settings`,
     unless ``options`` say otherwise. ``torch.compile`` takes a ``mode`` or
     ``options``, not both, so a mode goes in as the settings it stands for
     (``torch._inductor.list_mode_options``). Another backend gets ``options`` as given.
@@ -420,15 +420,22 @@ def compile_keywords(options: dict) -> dict:
         from torch._inductor import list_mode_options  # imported only when asked: inductor is heavy
 
         from_mode = list_mode_options(mode)
-    keywords["options"] = {**_known_inductor_settings(), **from_mode, **(keywords.get("options") or {})}
+    keywords["options"] = {**inductor_settings(), **from_mode, **(keywords.get("options") or {})}
     return keywords
 
 
-def _known_inductor_settings() -> dict:
-    """:data:`INDUCTOR_SETTINGS` that this torch's inductor has (an older one refuses an unknown key)."""
+def inductor_settings() -> dict:
+    """
+    :data:`INDUCTOR_SETTINGS` that this torch's inductor has (an older one refuses an unknown
+    key), and :class:`~pyro_tmc.bmm_layout.BatchMajorBmmInputs` as its post-grad pass.
+    """
     import torch._inductor.config as inductor_config  # imported only when asked: inductor is heavy
 
-    return {key: value for key, value in INDUCTOR_SETTINGS.items() if hasattr(inductor_config, key)}
+    from .bmm_layout import BATCH_MAJOR_BMM_INPUTS
+
+    settings = {key: value for key, value in INDUCTOR_SETTINGS.items() if hasattr(inductor_config, key)}
+    settings["post_grad_custom_post_pass"] = BATCH_MAJOR_BMM_INPUTS
+    return settings
 
 
 def uses_cuda_graphs(options: dict) -> bool:
