@@ -234,3 +234,33 @@ def test_a_rolled_chain_under_inductor_on_cuda_batches_its_draws_cuda():
     exact = math.exp(dist.Normal(0.0, math.sqrt(2.0)).log_prob(torch.tensor(0.8)).item())
     mean, stderr = weights.mean().item(), weights.std().item() / math.sqrt(len(weights))
     assert abs(mean - exact) < 4 * stderr, (mean, exact, stderr)
+
+
+def test_a_step_that_rolling_barely_batches_stays_unrolled():
+    """
+    The MNIST VAE's five layers differ in width, so rolling its forward would batch
+    little (about 0.8 as many groups as operations) and add stacking: its step is
+    captured unrolled, and replays the eager step's value.
+    """
+    from pyro_tmc.captured_step import ROLL_AT_MOST, count_groups
+    from pyro_tmc.experiments import vae
+    from pyro_tmc.loop_rolling import rolled_runner
+
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    x = torch.bernoulli(torch.full((10, 784), 0.3))
+    generative, recognition = vae.Generative(784), vae.recognition_model("small", 784)
+    loss = TMC_ELBO(num_samples=4, max_plate_nesting=1, compile="graph")
+    loss.step_program.choose_faster = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # captured and replayed, no fallback
+        for _ in range(3):
+            loss.loss_and_grads(generative.model, recognition.guide, x)
+    assert loss.step_program.replays == 1
+    captured = next(iter(loss.step_program._steps.values()))
+    assert ROLLED_FROM not in captured.program.meta
+    forward = captured.graph  # the traced forward
+    forward.graph.eliminate_dead_code()
+    operations = count_operations(forward)
+    assert operations > loss.step_program.roll_above  # long enough to be considered
+    assert count_groups(rolled_runner(forward)) > ROLL_AT_MOST * operations
