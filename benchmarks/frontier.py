@@ -502,6 +502,25 @@ def add_compiled_handwritten(case: Case, name: str, loss_fn: Callable[[], torch.
         case.failed[name] = f"compile failed: {type(e).__name__}: {reason}"
 
 
+def add_chain_rows(case: Case, device: str, x: torch.Tensor, N: int, K: int, graph_rows: bool) -> None:
+    """pyro_tmc's captured rows of a chain case: uncompiled (``graph_rows``) and under inductor."""
+
+    def add_row(add, mode: str, label=None, **compile_keywords) -> None:
+        loss = TMC_ELBO(num_samples=K, max_plate_nesting=0, **compile_keywords)
+        add(case, mode, device, loss, chain_model, chain_guide, x, N, label=label)
+
+    if graph_rows:  # the uncompiled captures: --lean leaves them out
+        for add in (add_program_step, add_captured_step):
+            add_row(add, "graph", compile="graph")
+    if N <= CHAIN_INDUCTOR_MAX:  # the rolled step is small enough for inductor to compile
+        # on a GPU, in one CUDA graph (a launch-bound step's floor), in place of the plain
+        # inductor row: each compile of the N=1000 step takes minutes
+        if device == "cuda":
+            add_row(add_captured_step, "inductor", label=CUDA_GRAPHS_LABEL, **CUDA_GRAPHS)
+        if device != "cuda" or any(CUDA_GRAPHS_LABEL in name for name in case.failed):  # or without
+            add_row(add_captured_step, "inductor", compile="inductor")
+
+
 def chain_case(num_steps: int, num_samples: int, device: str, graph_rows: bool = True) -> Case:
     N, K = num_steps, num_samples
     case = Case(f"chain N={N} K={K}")
@@ -520,57 +539,7 @@ def chain_case(num_steps: int, num_samples: int, device: str, graph_rows: bool =
     case.steps[PYRO_TMC] = _pyro_step(
         TMC_ELBO(num_samples=K, max_plate_nesting=0), chain_model, chain_guide, x, N
     )
-    if graph_rows:  # the uncompiled captures: --lean leaves them out
-        add_program_step(
-            case,
-            "graph",
-            device,
-            TMC_ELBO(num_samples=K, max_plate_nesting=0, compile="graph"),
-            chain_model,
-            chain_guide,
-            x,
-            N,
-        )
-        add_captured_step(
-            case,
-            "graph",
-            device,
-            TMC_ELBO(num_samples=K, max_plate_nesting=0, compile="graph"),
-            chain_model,
-            chain_guide,
-            x,
-            N,
-        )
-    if N <= CHAIN_INDUCTOR_MAX:  # the rolled step is small enough for inductor to compile
-        # on a GPU, in one CUDA graph (a launch-bound step's floor), in place of the plain
-        # inductor row: each compile of the N=1000 step takes minutes
-        cuda_graphs = device == "cuda"
-        add_captured_step(
-            case,
-            "inductor",
-            device,
-            TMC_ELBO(
-                num_samples=K,
-                max_plate_nesting=0,
-                **(CUDA_GRAPHS if cuda_graphs else {"compile": "inductor"}),
-            ),
-            chain_model,
-            chain_guide,
-            x,
-            N,
-            label=CUDA_GRAPHS_LABEL if cuda_graphs else None,
-        )
-        if cuda_graphs and any(CUDA_GRAPHS_LABEL in name for name in case.failed):  # then without
-            add_captured_step(
-                case,
-                "inductor",
-                device,
-                TMC_ELBO(num_samples=K, max_plate_nesting=0, compile="inductor"),
-                chain_model,
-                chain_guide,
-                x,
-                N,
-            )
+    add_chain_rows(case, device, x, N, K, graph_rows)
     case.steps["hand-written sequential"] = _backward_step(sequential)
     case.steps["hand-written log-depth tree"] = _backward_step(tree)
     case.steps["hand-written log-depth tree, exact"] = _backward_step(exact_tree)
