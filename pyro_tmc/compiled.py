@@ -431,9 +431,11 @@ def inductor_settings() -> dict:
     """
     import torch._inductor.config as inductor_config  # imported only when asked: inductor is heavy
 
-    from .bmm_layout import BATCH_MAJOR_BMM_INPUTS
-
     settings = {key: value for key, value in INDUCTOR_SETTINGS.items() if hasattr(inductor_config, key)}
+    try:
+        from .bmm_layout import BATCH_MAJOR_BMM_INPUTS
+    except ImportError:  # a torch without custom graph passes: inductor as it is
+        return settings
     settings["post_grad_custom_post_pass"] = BATCH_MAJOR_BMM_INPUTS
     return settings
 
