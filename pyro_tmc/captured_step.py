@@ -568,7 +568,8 @@ class StepProgram:
             loss = eager_step(args, kwargs)
         eager_seconds = time.perf_counter() - start
         names = recorder.param_names
-        devices = {t.device.type for t in [*arguments, *unconstrained_parameters(names)]}
+        params = unconstrained_parameters(names)  # the store keeps these tensors through the capture
+        devices = {t.device.type for t in [*arguments, *params]}
         try:
             program, unrolled, structure = capture_step(
                 differentiable_loss,
@@ -590,7 +591,6 @@ class StepProgram:
         self.captures += 1
         program.graph.eliminate_dead_code()
         program.recompile()
-        params = unconstrained_parameters(names)
         specs = [_spec(p) for p in params]
         captured = CapturedStep(program, unrolled, names, specs, structure, [eager_seconds])
         if self.mode == "inductor" and not self._too_large(program):
