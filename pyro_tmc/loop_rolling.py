@@ -491,7 +491,9 @@ class RolledStep:
 
     def _run_single(self, node: Node) -> Any:
         if node.target in (aten.stack.default, aten.cat.default):
-            joined = self._joined_from_groups(node)
+            joined = self._joined_from_few(node)
+            if joined is None:
+                joined = self._joined_from_groups(node)
             if joined is not None:
                 return joined
         get = self._get
@@ -548,6 +550,33 @@ class RolledStep:
         ]
         return _take(whole, rows)
 
+    def _held_values(self, sources: Sequence[Any]) -> Optional[List[torch.Tensor]]:
+        """The sources' tensors where each is a node holding one of its own (not a group member's row)."""
+        if not sources or not all(isinstance(s, Node) and s in self.values for s in sources):
+            return None
+        values = [self.values[s] for s in sources]
+        if not all(isinstance(v, torch.Tensor) for v in values):
+            return None
+        return values
+
+    def _joined_from_few(self, node: Node) -> Optional[torch.Tensor]:
+        """A ``stack`` or ``cat`` of a few distinct tensors, many times over (:func:`_stack_few`)."""
+        values = self._held_values(node.args[0])
+        if values is None or len({(v.shape, v.dtype) for v in values}) > 1 or values[0].dim() == 0:
+            return None
+        whole = _stack_few(values)
+        if whole is None:
+            return None
+        dim = _argument(node, 1, "dim", 0)
+        if node.target is aten.stack.default:
+            joined = whole.movedim(0, dim % whole.dim())
+        else:
+            dim = dim % (whole.dim() - 1)
+            joined = whole.movedim(0, dim).flatten(dim, dim + 1)
+        # a fresh tensor, as a stack's is (the graph's outputs may be a parameter's .grad, written
+        # in place by an optimizer)
+        return joined.contiguous()
+
     def _joined_from_groups(self, node: Node) -> Optional[torch.Tensor]:
         """A ``stack`` or ``cat`` of members of batched groups, as indexing into their outputs."""
         sources = node.args[0]
@@ -566,9 +595,16 @@ class RolledStep:
         """One input position of a group for all members: ``(value, 0)`` stacked, ``(value, None)`` shared."""
         if all(s is sources[0] for s in sources):
             return self._get(sources[0]), None
+        values = self._held_values(sources)
+        if values is not None and all(v is values[0] for v in values):
+            return values[0], None  # distinct nodes of one shared group (a fill, a constant)
         whole = self._stacked_from_group(sources)
         if whole is not None:
             return whole, 0
+        if values is not None:
+            few = _stack_few(values)
+            if few is not None:
+                return few, 0
         return torch.stack([self._get(s) for s in sources]), 0
 
     def _run_batched(self, group: Group) -> Any:
@@ -613,6 +649,24 @@ def _argument(node: Node, position: int, name: str, default: Any) -> Any:
     if len(node.args) > position:
         return node.args[position]
     return node.kwargs.get(name, default)
+
+
+def _stack_few(values: List[torch.Tensor]) -> Optional[torch.Tensor]:
+    """
+    ``torch.stack(values)`` where they are copies of a few distinct tensors: those
+    stacked once, and indexed (``None`` where most are distinct). Each member of a
+    group whose inputs were all shared holds the same tensor (a ``zeros`` or a
+    constant per loop step); stacked as they are, inductor makes a kernel of one
+    argument per member (Fig. 4's 1,000-link chain: kernels of ~1,000 arguments,
+    and most of its compile time).
+    """
+    distinct = list({id(v): v for v in values}.values())
+    if 2 * len(distinct) > len(values):
+        return None
+    if len(distinct) == 1:
+        return distinct[0].unsqueeze(0).expand((len(values),) + tuple(distinct[0].shape))
+    position = {id(v): i for i, v in enumerate(distinct)}
+    return _take(torch.stack(distinct), [position[id(v)] for v in values])
 
 
 def _take(stacked: torch.Tensor, indices: List[int]) -> torch.Tensor:

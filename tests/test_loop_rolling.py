@@ -139,6 +139,33 @@ def test_mutations_keep_their_order():
         assert torch.allclose(a, e)
 
 
+def _largest_join(graph) -> int:
+    joins = (torch.ops.aten.stack.default, torch.ops.aten.cat.default)
+    return max((len(n.args[0]) for n in graph.graph.nodes if n.target in joins), default=0)
+
+
+def test_copies_of_one_value_are_not_stacked_one_by_one():
+    """
+    A fill made at each step of a loop (a group whose inputs are all shared) gives each
+    member the same tensor. Read by a later group, or stacked with a few others, it is
+    expanded or indexed, not stacked member by member: inductor made a kernel of one
+    argument per member of such a stack (Fig. 4's 1,000-link chain: ~1,000).
+    """
+
+    def step(x):
+        zeros = [x.new_zeros(3) for _ in range(40)]  # one group: the same tensor for all 40
+        shifted = [z + x[i] for i, z in enumerate(zeros)]  # reads it
+        first = x.new_ones(3)
+        return torch.stack(shifted), torch.stack([first] + [x.new_zeros(3) for _ in range(40)])
+
+    x = torch.randn(40, 3)
+    graph = make_fx(step, tracing_mode="fake")(x)
+    rolled = roll(graph, [x])
+    assert _largest_join(graph) == 41 and _largest_join(rolled) <= 2
+    _same_outputs(graph, rolled, [x])
+    assert all(t.is_contiguous() for t in rolled(x))  # fresh tensors, as a stack's
+
+
 def test_batched_draws_keep_the_estimate_unbiased():
     """The rolled step, with its draws batched, on a chain whose p(x) is known: z_N ~ N(0, 1)."""
     pyro.clear_param_store()
