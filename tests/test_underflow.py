@@ -346,6 +346,38 @@ def test_graph_repairs_are_sized_by_the_eager_counts():
     ]  # a count for another shape: the products do not line up, the default
 
 
+def test_a_product_clean_after_a_clean_one_is_flagged_not_repaired():
+    """
+    Of products that the eager step found clean (count 0), the first after a repaired
+    one keeps a small repair (64 entries), and the ones after it have none: each is
+    flagged where an entry underflows (the step is redone eagerly), never wrong, and
+    leaves inductor fewer operations to compile (Fig. 4's chain: 4 of 10 tree levels).
+    """
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    x, y = chain_links(40, 16, 0.05, torch.Generator().manual_seed(0))
+    shape = torch.Size([40, 16, 16])
+
+    def traced(counts):
+        def products(a, b):
+            with deferred_underflow_checks(repair_in_graph=True, repair_counts=counts) as flags:
+                values = [log_matmul_exp(a, b) for _ in counts]
+            return values, [flag.reshape(()) for flag in flags]
+
+        return make_fx(products, tracing_mode="fake")(x, y)
+
+    graph = traced([(shape, 700), (shape, 0), (shape, 0), (shape, 0)])
+    needed_capacity = log_einsum.repair_capacity(shape.numel(), 700)
+    assert _repair_sizes(graph) == [needed_capacity, 64]  # the third and fourth: no repair
+    with torch.no_grad():
+        values, flags = graph(x, y)
+    expected = log_matmul_exp(x, y)
+    assert torch.allclose(values[0], expected, rtol=1e-6, atol=1e-6)
+    # 615 entries underflow: the second overflows its 64, the third and fourth flag them
+    assert [bool(f) for f in flags] == [False, True, True, True]
+    assert _repair_sizes(traced([(shape, 0), (shape, 0)])) == [64]  # the first product: repaired
+
+
 def test_float64_wide_spread():
     """Float64 underflows too, past ~700 nats: it is repaired the same way."""
     generator = torch.Generator().manual_seed(4)
