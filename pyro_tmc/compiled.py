@@ -470,12 +470,29 @@ def compiled_step_graph(graph: torch.fx.GraphModule, options: dict) -> Callable:
         # recompiles it for others (a key holds shapes, not strides); a no-op for the usual inputs
         inputs = tuple(t.contiguous() for t in inputs)
         if compiled is None:
-            from torch._inductor import compile as inductor_compile  # imported only when used
+            with _cacheable_compile():
+                from torch._inductor import compile as inductor_compile  # imported only when used
 
-            compiled = inductor_compile(graph, [t.detach() for t in inputs], options=settings)
+                compiled = inductor_compile(graph, [t.detach() for t in inputs], options=settings)
         return compiled(*inputs)
 
     return run
+
+
+@contextlib.contextmanager
+def _cacheable_compile() -> Iterator[None]:
+    """
+    A tracing context with a shape environment, as ``torch.compile`` gives inductor: without
+    one, inductor's FX graph cache bypasses every graph (``"No shape env"``), so a later
+    process compiled a captured step afresh (Fig. 4's 100-link chain: 20-28 s again, with
+    only g++'s objects reused). Shapes are static: the environment holds no symbol.
+    """
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    with tracing(TracingContext(FakeTensorMode(shape_env=ShapeEnv()))):
+        yield
 
 
 def compiled_keeping_validation(program: Callable, options: dict) -> Callable:
