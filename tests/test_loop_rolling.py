@@ -156,7 +156,9 @@ def test_copies_of_one_value_are_not_stacked_one_by_one():
         zeros = [x.new_zeros(3) for _ in range(40)]  # one group: the same tensor for all 40
         shifted = [z + x[i] for i, z in enumerate(zeros)]  # reads it
         first = x.new_ones(3)
-        return torch.stack(shifted), torch.stack([first] + [x.new_zeros(3) for _ in range(40)])
+        stacked = torch.stack([first] + [x.new_zeros(3) for _ in range(40)], dim=1)
+        joined = torch.cat([x.new_full((2, 3), 2.0) for _ in range(40)] + [first.expand(2, 3)], dim=1)
+        return torch.stack(shifted), stacked, joined
 
     x = torch.randn(40, 3)
     graph = make_fx(step, tracing_mode="fake")(x)
