@@ -470,9 +470,9 @@ def compiled_step_graph(graph: torch.fx.GraphModule, options: dict) -> Callable:
         # recompiles it for others (a key holds shapes, not strides); a no-op for the usual inputs
         inputs = tuple(t.contiguous() for t in inputs)
         if compiled is None:
-            with _cacheable_compile():
-                from torch._inductor import compile as inductor_compile  # imported only when used
+            from torch._inductor import compile as inductor_compile  # imported only when used
 
+            with _cacheable_compile():
                 compiled = inductor_compile(graph, [t.detach() for t in inputs], options=settings)
         return compiled(*inputs)
 

@@ -562,34 +562,18 @@ class RolledStep:
     def _joined_from_few(self, node: Node) -> Optional[torch.Tensor]:
         """A ``stack`` or ``cat`` of a few distinct tensors, many times over (:func:`_stack_few`)."""
         values = self._held_values(node.args[0])
-        if values is None or len({(v.shape, v.dtype) for v in values}) > 1 or values[0].dim() == 0:
+        if values is None or len({(v.shape, v.dtype) for v in values}) > 1:
             return None
         whole = _stack_few(values)
-        if whole is None:
-            return None
-        dim = _argument(node, 1, "dim", 0)
-        if node.target is aten.stack.default:
-            joined = whole.movedim(0, dim % whole.dim())
-        else:
-            dim = dim % (whole.dim() - 1)
-            joined = whole.movedim(0, dim).flatten(dim, dim + 1)
-        # a fresh tensor, as a stack's is (the graph's outputs may be a parameter's .grad, written
-        # in place by an optimizer)
-        return joined.contiguous()
+        joined = None if whole is None else _join(node, whole)
+        # contiguous, as a stack's result is (the graph's outputs may be a parameter's .grad)
+        return None if joined is None else joined.contiguous()
 
     def _joined_from_groups(self, node: Node) -> Optional[torch.Tensor]:
         """A ``stack`` or ``cat`` of members of batched groups, as indexing into their outputs."""
         sources = node.args[0]
         whole = self._stacked_from_group(sources)
-        if whole is None:
-            return None
-        dim = _argument(node, 1, "dim", 0)
-        if node.target is aten.stack.default:
-            return whole.movedim(0, dim % whole.dim())
-        if whole.dim() < 2:
-            return None
-        dim = dim % (whole.dim() - 1)
-        return whole.movedim(0, dim).flatten(dim, dim + 1)
+        return None if whole is None else _join(node, whole)
 
     def _gather(self, sources: List[Node]) -> Tuple[Any, Optional[int]]:
         """One input position of a group for all members: ``(value, 0)`` stacked, ``(value, None)`` shared."""
@@ -663,10 +647,19 @@ def _stack_few(values: List[torch.Tensor]) -> Optional[torch.Tensor]:
     distinct = list({id(v): v for v in values}.values())
     if 2 * len(distinct) > len(values):
         return None
-    if len(distinct) == 1:
-        return distinct[0].unsqueeze(0).expand((len(values),) + tuple(distinct[0].shape))
     position = {id(v): i for i, v in enumerate(distinct)}
     return _take(torch.stack(distinct), [position[id(v)] for v in values])
+
+
+def _join(node: Node, whole: torch.Tensor) -> Optional[torch.Tensor]:
+    """A ``stack`` or ``cat`` node's result from ``whole``, its sources stacked along dim 0."""
+    dim = _argument(node, 1, "dim", 0)
+    if node.target is aten.stack.default:
+        return whole.movedim(0, dim % whole.dim())
+    if whole.dim() < 2:
+        return None
+    dim = dim % (whole.dim() - 1)
+    return whole.movedim(0, dim).flatten(dim, dim + 1)
 
 
 def _take(stacked: torch.Tensor, indices: List[int]) -> torch.Tensor:
