@@ -567,6 +567,21 @@ def test_a_cuda_graph_mode_compiles_through_torch_compile(monkeypatch):
     assert calls and all(k["options"]["triton.cudagraphs"] for k in calls)
 
 
+def test_inductors_cpp_wrapper_replays_the_eager_step():
+    """
+    ``compile_options={"options": {"cpp_wrapper": True}}`` (docs/performance.md: a small
+    step's Python wrapper in C++) replays a stiff chain's step, repairs included, as
+    the eager step computes it.
+    """
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    make_loss = functools.partial(chain_loss, 8, compile_options={"options": {"cpp_wrapper": True}})
+    replayed, eager = _replay_and_eager(
+        make_loss, stiff_chain_model, chain_guide, (torch.tensor(0.7), 12), mode="inductor"
+    )
+    _assert_same(replayed, eager, rtol=1e-4)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_cuda_graph_step_draws_afresh_and_equals_eager_cuda():
     """
