@@ -90,6 +90,13 @@ MAX_GROUPED_JOIN = 4
 #: an input gathered from group outputs with more than this many rows per row used is stacked instead
 MAX_GATHER_WASTE = 4
 
+#: a group of fewer members, each computing more than :data:`LARGE_MEMBER` elements, runs one by
+#: one: batched, two or three large operations save a replay an operation or two but copy their
+#: inputs into a stack (Fig. 4's log-depth tree at N=1000: the two operands of each level's
+#: product, 19 ms of copies in a 120 ms uncompiled replay)
+MIN_GROUP_SIZE = 4
+LARGE_MEMBER = 2**16
+
 
 # -- the graph's facts ----------------------------------------------------------------------
 
@@ -132,6 +139,17 @@ def _signature(value: Any) -> Any:
     )
 
 
+def _few_and_large(count: int, value: Any) -> bool:
+    """
+    Whether ``count`` like operations, each computing ``value``, are better run one by
+    one than stacked (:data:`MIN_GROUP_SIZE`).
+    """
+    if count >= MIN_GROUP_SIZE:
+        return False
+    outputs, _ = tree_flatten(value)
+    return sum(t.numel() for t in outputs if isinstance(t, torch.Tensor)) > LARGE_MEMBER
+
+
 def _same_shape_add(node: Node) -> bool:
     """An ``add`` of two tensors of its own shape and dtype (no broadcast, no ``alpha``)."""
     if node.op != "call_function" or node.target is not aten.add.Tensor or node.kwargs:
@@ -162,8 +180,8 @@ def collapse_sum_chains(graph: Graph) -> int:
         if any(_same_shape_add(user) for user in node.users):  # not the end of its chain
             continue
         leaves, inner = _chain_leaves(node)
-        if len(leaves) < MIN_SUM_CHAIN:
-            continue
+        if len(leaves) < MIN_SUM_CHAIN or _few_and_large(len(leaves), _value(node)):
+            continue  # a stack of a few large terms copies more than their additions do
         with graph.inserting_before(node):
             stacked = graph.call_function(aten.stack.default, (leaves, 0))
             total = graph.call_function(aten.sum.dim_IntList, (stacked, [0]))
@@ -375,6 +393,8 @@ def plan_groups(graph: Graph, batch_draws: bool = False) -> List[List[Group]]:
             by_key[key].append(node)
     order = {node: i for i, node in enumerate(graph.nodes)}
     split = [part for members in by_key.values() for part in _split_by_input(members)]
+    singles += [node for part in split if _few_and_large(len(part), _value(part[0])) for node in part]
+    split = [part for part in split if not _few_and_large(len(part), _value(part[0]))]
     groups = [Group(members) for members in split] + [Group([node]) for node in singles]
     schedule: Dict[int, List[Group]] = defaultdict(list)
     for group in groups:

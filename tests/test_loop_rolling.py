@@ -25,7 +25,7 @@ from pyro_tmc.captured_step import (
     flatten_arguments,
     unconstrained_parameters,
 )
-from pyro_tmc.loop_rolling import count_operations, roll
+from pyro_tmc.loop_rolling import LARGE_MEMBER, count_operations, roll
 
 try:
     from .test_compiled import _cases, chain_guide, chain_model
@@ -166,6 +166,36 @@ def test_copies_of_one_value_are_not_stacked_one_by_one():
     assert _largest_join(graph) == 41 and _largest_join(rolled) <= 2
     _same_outputs(graph, rolled, [x])
     assert all(t.is_contiguous() for t in rolled(x))  # fresh tensors, as a stack's
+
+
+def _joined_elements(graph) -> int:
+    """How many elements the graph's ``stack`` and ``cat`` operations copy."""
+    joins = [
+        n for n in graph.graph.nodes if n.target in (torch.ops.aten.stack.default, torch.ops.aten.cat.default)
+    ]
+    return sum(n.meta["val"].numel() for n in joins)
+
+
+def test_a_few_large_operations_run_one_by_one():
+    """
+    Two or three like operations on large tensors (a log-depth tree's two operands of
+    a product, the terms of a short gradient sum) are not stacked to run as one: the
+    stack would copy them. Many small ones still are.
+    """
+    large = LARGE_MEMBER + 1
+
+    def step(x, y, small):
+        pair = [x[0].exp(), x[1].exp()]  # like operations, large and few
+        total = pair[0] * y + pair[1] * y + y.sin()  # a short sum of large terms
+        loop = [small[i].exp() for i in range(40)]  # many small: batched
+        return total, torch.stack(loop).sum()
+
+    x, y, small = torch.randn(2, large), torch.randn(large), torch.randn(40, 3)
+    graph = make_fx(step, tracing_mode="fake")(x, y, small)
+    rolled = roll(graph, [x, y, small])
+    _same_outputs(graph, rolled, [x, y, small])
+    assert count_operations(rolled) < count_operations(graph)  # the loop was rolled
+    assert _joined_elements(rolled) < large  # but nothing large was stacked
 
 
 def test_batched_draws_keep_the_estimate_unbiased():
