@@ -469,6 +469,10 @@ class StepProgram:
         self.batch_draws: Optional[bool] = None
         #: an uncompiled replay slower than the eager step gives way to it (:meth:`_settle`)
         self.choose_faster = True
+        #: under inductor: compile in a child process, replaying the uncompiled graph until it is
+        #: done (:mod:`pyro_tmc.background_compile`): training starts after the capture, but which
+        #: step is the first compiled one depends on the machine's speed
+        self.compile_in_background = False
         self.captures = 0  # how many steps were captured (tests read it)
         self.replays = 0
         self._warned = False
@@ -513,6 +517,13 @@ class StepProgram:
             captured.eager_seconds.append(time.perf_counter() - start)
             return loss
         return self._replay(captured, arguments, eager_step, args, kwargs)
+
+    def wait_for_compiles(self) -> None:
+        """Block until every compile started in the background (``compile_in_background``) has finished."""
+        for captured in list(self._steps.values()):
+            wait = getattr(captured.program, "wait", None)
+            if wait is not None:
+                wait()
 
     def _times_eager_next(self, captured: CapturedStep) -> bool:
         """While a replay is timed against the eager step, they alternate (one eager step per replay)."""
@@ -595,7 +606,7 @@ class StepProgram:
         captured = CapturedStep(program, unrolled, names, specs, structure, [eager_seconds])
         if self.mode == "inductor" and not self._too_large(program):
             _write_code(program)
-            captured.program = compiled_step_graph(program, self.options)
+            captured.program = compiled_step_graph(program, self.options, self.compile_in_background)
             captured.uncompiled = program
             captured.eager_seconds = None  # compiled: not timed against eager
         self._steps[key] = captured

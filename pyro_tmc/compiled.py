@@ -45,6 +45,7 @@ from torch.distributions.transforms import Transform
 
 from pyro.poutine import Trace
 
+from .background_compile import BackgroundCompile
 from .checks import validate_samples
 from .evaluation import EvaluationPlan
 from .factors import compute_log_factors, contract_estimate
@@ -446,11 +447,13 @@ def uses_cuda_graphs(options: dict) -> bool:
     return bool(settings.get("triton.cudagraphs", False))
 
 
-def compiled_step_graph(graph: torch.fx.GraphModule, options: dict) -> Callable:
+def compiled_step_graph(graph: torch.fx.GraphModule, options: dict, background: bool = False) -> Callable:
     """
     Inductor's compile of a captured step's graph, made from the graph itself
     (``torch._inductor.compile``) at its first call, with that call's inputs as
-    examples. Dynamo is left out: it would trace the graph's code once more, and
+    examples; with ``background``, in a child process, the graph replayed uncompiled
+    until the compile is done (:class:`~pyro_tmc.background_compile.BackgroundCompile`).
+    Dynamo is left out: it would trace the graph's code once more, and
     its guarded call cost ~2 ms a replay (Fig. 4's 100-link chain: 7.3-8.1 ms
     through ``torch.compile``, 5.1-5.7 ms straight; its compile 60-62 s against
     48-53 s, and 83 s against 70 s at 1,000 links). The graph holds its own
@@ -462,6 +465,8 @@ def compiled_step_graph(graph: torch.fx.GraphModule, options: dict) -> Callable:
     settings = keywords.get("options") or {}
     if keywords.get("backend", "inductor") != "inductor" or settings.get("triton.cudagraphs", False):
         return compiled_keeping_validation(graph, options)
+    if background:
+        return BackgroundCompile(graph, settings, compile_captured_graph)
     compiled: Optional[Callable] = None
 
     def run(*inputs: torch.Tensor):
@@ -470,13 +475,20 @@ def compiled_step_graph(graph: torch.fx.GraphModule, options: dict) -> Callable:
         # recompiles it for others (a key holds shapes, not strides); a no-op for the usual inputs
         inputs = tuple(t.contiguous() for t in inputs)
         if compiled is None:
-            from torch._inductor import compile as inductor_compile  # imported only when used
-
-            with _cacheable_compile():
-                compiled = inductor_compile(graph, [t.detach() for t in inputs], options=settings)
+            compiled = compile_captured_graph(graph, [t.detach() for t in inputs], settings)
         return compiled(*inputs)
 
     return run
+
+
+def compile_captured_graph(
+    graph: torch.fx.GraphModule, examples: List[torch.Tensor], settings: dict
+) -> Callable:
+    """``torch._inductor.compile`` of a captured step's graph, in a :func:`_cacheable_compile` context."""
+    from torch._inductor import compile as inductor_compile  # imported only when used
+
+    with _cacheable_compile():
+        return inductor_compile(graph, examples, options=settings)
 
 
 @contextlib.contextmanager

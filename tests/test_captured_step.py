@@ -582,6 +582,60 @@ def test_inductors_cpp_wrapper_replays_the_eager_step():
     _assert_same(replayed, eager, rtol=1e-4)
 
 
+def test_a_step_compiled_in_the_background_equals_the_eager_step_before_and_after():
+    """
+    With ``compile_in_background``, the first replay starts inductor's compile in a
+    thread and returns at once, from the uncompiled graph; once the compile is done,
+    replays run compiled. Either way a replay equals the eager step on the same draw
+    (values and gradients), and the numbers drawn are the eager step's.
+    """
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    args = (torch.tensor(0.7), 12)
+    loss = chain_loss(8, compile="inductor")
+    loss.step_program.compile_in_background = True
+    loss.step_program.batch_draws = False  # eager's numbers, were the step rolled
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no fallback
+        for _ in range(2):  # eager, then captured
+            loss.loss_and_grads(stiff_chain_model, chain_guide, *args)
+        params = _params()
+        for compiled in (False, True):
+            state = torch.get_rng_state()
+            replayed = _one_step(lambda: loss.loss_and_grads(stiff_chain_model, chain_guide, *args), params)
+            (captured,) = loss.step_program._steps.values()
+            assert captured.program.uncompiled_calls == 1  # the first replay, while it compiled
+            assert captured.program.compiled is not None or not compiled
+            torch.set_rng_state(state)
+            eager = _one_step(
+                lambda: loss._eager_loss_and_grads(stiff_chain_model, chain_guide, args, {}), params
+            )
+            _assert_same(replayed, eager, rtol=1e-4)
+            loss.step_program.wait_for_compiles()
+    assert loss.step_program.replays == 2
+
+
+def test_a_background_compile_that_fails_says_why_and_replays_uncompiled():
+    """A compile that fails in the child, then here: each failure warns once, and replays go on uncompiled."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    args = (torch.tensor(0.7), 12)
+    loss = chain_loss(8, compile="inductor", compile_options={"options": {"no_such_setting": 1}})
+    loss.step_program.compile_in_background = True
+    for _ in range(3):  # eager, captured, then the replay that starts the compile
+        loss.loss_and_grads(chain_model, chain_guide, *args)
+    loss.step_program.wait_for_compiles()
+    with pytest.warns(RuntimeWarning) as caught:
+        loss.loss_and_grads(chain_model, chain_guide, *args)
+    messages = [str(w.message) for w in caught]
+    assert any("child process failed" in m and "no_such_setting" in m for m in messages), messages
+    assert any("replayed uncompiled" in m for m in messages), messages
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # once only
+        value = loss.loss_and_grads(chain_model, chain_guide, *args)
+    assert math.isfinite(value) and loss.step_program.replays == 3
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_cuda_graph_step_draws_afresh_and_equals_eager_cuda():
     """

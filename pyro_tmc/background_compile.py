@@ -1,0 +1,171 @@
+"""A captured step compiled by inductor in another process, replayed uncompiled meanwhile.
+
+Inductor's compile of a large captured step takes a while: Fig. 4's 1,000-link chain,
+rolled, compiles in ~35 s on a 2-core CPU, after a ~15 s capture, and a blocking compile
+makes training wait for both. Compiled in the background instead, the step is replayed as
+its uncompiled graph (the same operations, one by one: ~105 ms a step for that chain,
+against ~55 ms compiled and ~450 ms eager) until the compiled code is ready, then switches
+to it. Training starts after the capture.
+
+The compile runs in a child process (``python -m pyro_tmc.background_compile``), not a
+thread: inductor's compile is mostly Python, and in a thread it held the interpreter lock
+that the replay's operations need between them, so replays took seconds each while it
+ran. The child compiles the graph into inductor's on-disk cache (``TORCHINDUCTOR_CACHE_DIR``,
+which it inherits); when it is done, this process compiles the same graph again, a cache
+hit (~3 s for that chain), and switches. Where that fails (the graph does not pickle, the
+child cannot import pyro_tmc, inductor's cache is off), the compile happens in this process
+as it would without the background, or the graph is replayed uncompiled, with one warning.
+
+The price is reproducibility to the last bit: which step is the first to run compiled
+depends on how fast the machine compiles, and the compiled step rounds differently (it
+fuses operations). To keep the random numbers themselves the same on both sides of the
+switch, the compile keeps torch's own random operations (inductor's ``fallback_random``),
+unless the settings say otherwise.
+"""
+
+import atexit
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import warnings
+from typing import Callable, List, Optional, Set, Tuple
+
+import torch
+
+#: the children compiling now: ended with this process (an unfinished compile is of no use)
+_CHILDREN: Set[subprocess.Popen] = set()
+
+_Spec = Tuple[Tuple[int, ...], Tuple[int, ...], torch.dtype, str]
+
+
+@atexit.register
+def _stop_children() -> None:
+    for child in list(_CHILDREN):
+        child.kill()
+
+
+class BackgroundCompile:
+    """
+    A callable replaying ``graph`` (a captured step, called without grad) that, at its
+    first call, starts compiling it with inductor in a child process, and runs the
+    compiled code from the first call after the child finished.
+
+    :param graph: the captured step's graph.
+    :param dict settings: inductor's settings (``torch._inductor.compile``'s ``options``).
+    :param compile_in_process: ``(graph, examples, settings) -> compiled``, the compile
+        that this process runs once the child has filled inductor's cache.
+    """
+
+    def __init__(self, graph: torch.fx.GraphModule, settings: dict, compile_in_process: Callable) -> None:
+        self.graph = graph
+        self.settings = {"fallback_random": True, **settings}
+        self.compile_in_process = compile_in_process
+        self.compiled: Optional[Callable] = None
+        self.uncompiled_calls = 0
+        self._child: Optional[subprocess.Popen] = None
+        self._blob: Optional[bytes] = None  # the pickled graph: compiled here as the child compiled it
+        self._started = False
+        self._files: List[str] = []
+
+    def __call__(self, *inputs: torch.Tensor):
+        # contiguous: the compiled code assumes its example inputs' strides (as compiled_step_graph)
+        inputs = tuple(t.contiguous() for t in inputs)
+        if not self._started:
+            self._started = True
+            self._start(inputs)
+        if self.compiled is None and self._child is not None and self._child.poll() is not None:
+            self._finish(inputs)
+        if self.compiled is not None:
+            return self.compiled(*inputs)
+        self.uncompiled_calls += 1
+        return self.graph(*inputs)
+
+    def wait(self) -> None:
+        """Block until the child has finished compiling (the next call switches to the compiled code)."""
+        if self._child is not None:
+            self._child.wait()
+
+    def _start(self, inputs) -> None:
+        specs: List[_Spec] = [(tuple(t.shape), t.stride(), t.dtype, str(t.device)) for t in inputs]
+        try:
+            self._blob = pickle.dumps(self.graph)
+            job = pickle.dumps((self._blob, specs, self.settings))
+        except Exception as error:  # e.g. a graph holding a subgraph that does not pickle
+            self._compile_here(inputs, f"the graph does not pickle ({error})")
+            return
+        handle, path = tempfile.mkstemp(prefix="pyro_tmc-compile-", suffix=".pkl")
+        with os.fdopen(handle, "wb") as file:
+            file.write(job)
+        self._files = [path, path + ".log"]
+        with open(path + ".log", "wb") as log:
+            self._child = subprocess.Popen(
+                [sys.executable, "-m", "pyro_tmc.background_compile", path], stdout=log, stderr=log
+            )
+        _CHILDREN.add(self._child)
+
+    def _finish(self, inputs) -> None:
+        """The child is done: compile here from inductor's cache, or say why not."""
+        child, self._child = self._child, None
+        _CHILDREN.discard(child)
+        log = _read_tail(self._files[1])
+        for path in self._files:
+            if os.path.exists(path):
+                os.remove(path)
+        if child.returncode != 0:
+            self._compile_here(inputs, f"its compile in a child process failed: {log}")
+            return
+        self._compile(pickle.loads(self._blob), inputs)
+
+    def _compile_here(self, inputs, reason: str) -> None:
+        warnings.warn(
+            f"pyro_tmc: the captured step could not be compiled in the background ({reason}); "
+            "it is compiled in this process instead.",
+            RuntimeWarning,
+            stacklevel=6,
+        )
+        self._compile(self.graph, inputs)
+
+    def _compile(self, graph: torch.fx.GraphModule, inputs) -> None:
+        try:
+            self.compiled = self.compile_in_process(graph, [t.detach() for t in inputs], self.settings)
+        except Exception as error:  # the uncompiled graph is always right: it goes on replaying
+            reason = " ".join(str(error).split())[:300]
+            warnings.warn(
+                f"pyro_tmc: inductor could not compile the captured step ({reason}); it is replayed "
+                "uncompiled instead (same values).",
+                RuntimeWarning,
+                stacklevel=7,
+            )
+
+
+def _read_tail(path: str, size: int = 600) -> str:
+    try:
+        with open(path, "rb") as file:
+            text = file.read().decode(errors="replace")
+    except OSError:
+        return ""
+    return " ".join(text.split())[-size:]
+
+
+def _compile_job(path: str) -> None:
+    """The child: compile the pickled graph on empty inputs of its examples' specs, into inductor's cache."""
+    import torch._dynamo  # noqa: F401 (inductor's tracing expects dynamo's modules loaded)
+    import torch._higher_order_ops.triton_kernel_wrap  # noqa: F401
+
+    from .compiled import compile_captured_graph
+
+    with open(path, "rb") as file:
+        blob, specs, settings = pickle.load(file)
+    graph = pickle.loads(blob)
+    examples = [
+        torch.empty_strided(shape, stride, dtype=dtype, device=device)
+        for shape, stride, dtype, device in specs
+    ]
+    compile_captured_graph(graph, examples, settings)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)  # a child process of its own: its settings are its own
+    _compile_job(sys.argv[1])
