@@ -44,7 +44,7 @@ import functools
 import math
 import operator
 from contextlib import contextmanager
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -132,16 +132,27 @@ def underflow_floor(dtype: torch.dtype, num_terms: int) -> float:
     return 2 * num_terms * info.tiny / info.eps
 
 
+class RepairCount(NamedTuple):
+    """What an eager matrix product recorded (:func:`counting_repairs`)."""
+
+    shape: torch.Size
+    #: how many entries were recomputed exactly (those even float64 could not hold)
+    count: int
+    #: whether the product, taken below float64 (float32), had no entry low at all
+    narrow_clean: bool = False
+
+
 @contextmanager
-def counting_repairs() -> Iterator[List[Tuple[torch.Size, int]]]:
+def counting_repairs() -> Iterator[List[RepairCount]]:
     """
-    Within this context, each eager matrix product (:func:`log_matmul_exp`) appends its
-    shape and how many of its entries it recomputed exactly (those even float64 could
-    not hold) to the list yielded, in the order the products run. A step captured
-    after it sizes each product's in-graph repair by these counts
+    Within this context, each eager matrix product (:func:`log_matmul_exp`) appends a
+    :class:`RepairCount` (its shape, how many of its entries it recomputed exactly, and
+    whether it was clean in float32) to the list yielded, in the order the products run.
+    A step captured after it sizes each product's in-graph repair by these counts, and
+    takes a product that was clean in float32 in float32
     (``deferred_underflow_checks(repair_counts=...)``).
     """
-    counts: List[Tuple[torch.Size, int]] = []
+    counts: List[RepairCount] = []
     token = _REPAIR_COUNTS.set(counts)
     try:
         yield counts
@@ -152,7 +163,7 @@ def counting_repairs() -> Iterator[List[Tuple[torch.Size, int]]]:
 class _RepairHints:
     """The counts of :func:`counting_repairs`, read one product at a time by a trace."""
 
-    def __init__(self, counts: List[Tuple[torch.Size, int]]) -> None:
+    def __init__(self, counts: List[Tuple]) -> None:
         self.counts = counts
         self.used = 0
 
@@ -166,6 +177,11 @@ class _RepairHints:
             return self.counts[self.used - 1][1]
         self.used = len(self.counts)
         return None
+
+    def narrow_clean(self) -> bool:
+        """Whether the product :meth:`next` gave last was clean in float32 in the eager step."""
+        entry = self.counts[self.used - 1] if 1 <= self.used <= len(self.counts) else ()
+        return len(entry) > 2 and bool(entry[2])
 
     def follows_a_clean_product(self) -> bool:
         """Whether the product before the one :meth:`next` gave last repaired nothing in the eager step."""
@@ -228,7 +244,7 @@ def _log_plus_shifts(
     wide_sum: Callable[[], torch.Tensor],
     exact_at: Callable[[torch.Tensor], torch.Tensor],
     num_terms: int,
-    counted: Callable[[int], None] = lambda count: None,
+    counted: Callable[[int, bool], None] = lambda count, clean: None,
 ) -> torch.Tensor:
     """
     ``log(shifted_sum) + sum(shifts)``, a log-space product, with its underflowed
@@ -241,13 +257,14 @@ def _log_plus_shifts(
     multi-indices, one row per entry), in chunks of at most
     :data:`EXACT_CHUNK_ELEMENTS` terms. Under :func:`deferred_underflow_checks`,
     nothing is replaced and a flag is recorded. Eagerly, ``counted`` (if given) is
-    called with how many entries were recomputed exactly.
+    called with how many entries were recomputed exactly, and whether the product was
+    clean in its own dtype below float64 (no entry low at all).
     """
     low = shifted_sum < underflow_floor(shifted_sum.dtype, num_terms)
     flags = _DEFERRED_FLAGS.get()
     if flags is None and not low.any():  # one reduction, and the only sync
         # the common case: every sum far above 0, so a plain log (finite gradient) will do
-        counted(0)
+        counted(0, shifted_sum.dtype != torch.float64)
         return _plus(shifted_sum.log(), shifts)
     result = _plus(safe_log(shifted_sum), shifts)
     if flags is not None:
@@ -260,7 +277,7 @@ def _log_plus_shifts(
         result = torch.where(suspect, wide_result, result)
         suspect = suspect & (wide < underflow_floor(torch.float64, num_terms))
     flat = suspect.expand(result.shape).reshape(-1).nonzero().squeeze(-1)
-    counted(flat.numel())
+    counted(flat.numel(), False)
     if not flat.numel():
         return result
     chunk = max(1, EXACT_CHUNK_ELEMENTS // max(num_terms, 1))
@@ -393,8 +410,20 @@ def _graph_log_matmul_exp(
     Beyond the capacity, and above :data:`GRAPH_REPAIR_ELEMENTS` terms, the product is
     flagged, as an estimate's graph does, and the step redone eagerly. So Fig. 4's chain
     and small stiff chains replay with no eager redo. A product that the eager step found
-    clean, after one that was clean too, is flagged only (no repair to compile).
+    clean, after one that was clean too, is flagged only (no repair to compile); one that
+    it found clean in float32 itself is taken in float32, and flagged only.
     """
+    hints = _REPAIR_HINTS.get()
+    shape = torch.broadcast_shapes(x.shape[:-2], y.shape[:-2]) + (x.size(-2), y.size(-1))  # the product's
+    needed = None if hints is None else hints.next(shape)
+    if needed == 0 and hints.narrow_clean():
+        # clean in float32 in the eager step (the MNIST VAE's products): taken in float32 and
+        # flagged, as a product of the estimate is (a step that underflows is redone eagerly, and
+        # a key mostly redone is captured again, its products then in float64). Float64 cost the
+        # small VAE's step ~3 ms of 47
+        shifted_sum = torch.matmul(exp_or_zero(x - x_shift), exp_or_zero(y - y_shift))
+        _DEFERRED_FLAGS.get().append(((shifted_sum < underflow_floor(x.dtype, x.size(-1))) & live).any())
+        return _plus(safe_log(shifted_sum), [x_shift, y_shift])
     wide_x, wide_y = x_shift.double(), y_shift.double()
     shifted_sum = torch.matmul(exp_or_zero(x.double() - wide_x), exp_or_zero(y.double() - wide_y))
     low = (shifted_sum < underflow_floor(torch.float64, x.size(-1))) & live
@@ -403,8 +432,6 @@ def _graph_log_matmul_exp(
     if terms > GRAPH_REPAIR_ELEMENTS:  # too large to hold every term at once: flag, as an estimate does
         _DEFERRED_FLAGS.get().append(low.any())
         return fast.to(x.dtype)
-    hints = _REPAIR_HINTS.get()
-    needed = None if hints is None else hints.next(fast.shape)
     if needed == 0 and hints.follows_a_clean_product():
         # past the first product that the eager step found clean (a log-depth contraction's
         # deeper levels, whose sums of many paths spread less): no repair, flagged (the rare step
@@ -529,7 +556,7 @@ def log_matmul_exp(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     counts = _REPAIR_COUNTS.get()
     if counts is None:
         return _log_plus_shifts(shifted_sum, shifts, live, wide_sum, exact_at, x.size(-1))
-    counted = lambda count: counts.append((shifted_sum.shape, count))  # noqa: E731
+    counted = lambda count, clean: counts.append(RepairCount(shifted_sum.shape, count, clean))  # noqa: E731
     return _log_plus_shifts(shifted_sum, shifts, live, wide_sum, exact_at, x.size(-1), counted)
 
 

@@ -479,7 +479,7 @@ def test_a_step_whose_repairs_are_too_small_is_captured_again(monkeypatch, under
         captures.append(1)
         with real() as counts:
             yield counts
-        counts[:] = [(shape, 0) for shape, _ in counts]
+        counts[:] = [(entry.shape, 0) for entry in counts]
 
     monkeypatch.setattr(
         captured_step,

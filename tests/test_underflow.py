@@ -320,8 +320,9 @@ def test_graph_repairs_are_sized_by_the_eager_counts():
     x, y = chain_links(40, 16, 0.05, torch.Generator().manual_seed(0))
     with counting_repairs() as counts:
         expected = log_matmul_exp(x, y)
-    ((shape, needed),) = counts
+    ((shape, needed, narrow_clean),) = counts
     assert shape == (40, 16, 16) and 0 < needed < log_einsum.repair_capacity(shape.numel()) // 2
+    assert not narrow_clean
 
     def traced(repair_counts):
         def product(a, b):
@@ -344,6 +345,39 @@ def test_graph_repairs_are_sized_by_the_eager_counts():
     assert _repair_sizes(traced([(torch.Size([7, 16, 16]), needed)])) == [
         log_einsum.repair_capacity(shape.numel())
     ]  # a count for another shape: the products do not line up, the default
+
+
+def test_a_product_clean_in_float32_is_traced_in_float32_and_flagged():
+    """
+    A product that the eager step found clean in float32 (no entry low: the MNIST VAE's)
+    is traced in float32, with no float64 product and no repair, and flagged: on links
+    where it does underflow (a stiffer draw), the flag is set, so the step is redone
+    eagerly, never wrong.
+    """
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    generator = torch.Generator().manual_seed(0)
+    mild = chain_links(40, 16, 1.0, generator)
+    with counting_repairs() as counts:
+        expected = log_matmul_exp(*mild)
+    ((shape, needed, narrow_clean),) = counts
+    assert needed == 0 and narrow_clean
+
+    def product(a, b):
+        with deferred_underflow_checks(repair_in_graph=True, repair_counts=counts) as flags:
+            value = log_matmul_exp(a, b)
+        return value, torch.stack(flags).any()
+
+    graph = make_fx(product, tracing_mode="fake")(*mild)
+    dtypes = {
+        node.meta["val"].dtype for node in graph.graph.nodes if isinstance(node.meta.get("val"), torch.Tensor)
+    }
+    assert torch.float64 not in dtypes and _repair_sizes(graph) == []
+    with torch.no_grad():
+        value, flagged = graph(*mild)
+        assert not flagged and torch.allclose(value, expected, rtol=1e-6, atol=1e-6)
+        stiff = chain_links(40, 16, 0.05, generator)
+        assert bool(graph(*stiff)[1])
 
 
 def test_a_product_clean_after_a_clean_one_is_flagged_not_repaired():
