@@ -28,7 +28,8 @@ and are left alone. While tracing a graph (:func:`deferred_underflow_checks`),
 where no branch on values can run, each product records a flag instead, and the
 caller recomputes eagerly when one is set. A matrix product in a graph
 (:func:`log_matmul_exp`, a chain's links) is repaired in the graph instead: taken
-in float64, and where even that underflows, by max-plus: the underflowed entries
+in float64 (in float32, flagged, where the eager step before the capture found it
+clean in float32), and where even that underflows, by max-plus: the underflowed entries
 alone, a static number of them at most, else the whole product. So a stiff chain's
 captured steps are not each redone eagerly. That number is fitted to the entries the
 eager step before the capture repaired, product by product (:func:`counting_repairs`):
