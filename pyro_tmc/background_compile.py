@@ -30,20 +30,29 @@ import subprocess
 import sys
 import tempfile
 import warnings
-from typing import Callable, List, Optional, Set, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-#: the children compiling now: ended with this process (an unfinished compile is of no use)
-_CHILDREN: Set[subprocess.Popen] = set()
+#: the children compiling now, with their files: ended with this process (an unfinished
+#: compile is of no use)
+_CHILDREN: Dict[subprocess.Popen, List[str]] = {}
 
 _Spec = Tuple[Tuple[int, ...], Tuple[int, ...], torch.dtype, str]
 
 
 @atexit.register
 def _stop_children() -> None:
-    for child in list(_CHILDREN):
+    for child, files in list(_CHILDREN.items()):
         child.kill()
+        child.wait()
+        _remove(files)
+
+
+def _remove(files: List[str]) -> None:
+    for path in files:
+        if os.path.exists(path):
+            os.remove(path)
 
 
 class BackgroundCompile:
@@ -103,16 +112,14 @@ class BackgroundCompile:
             self._child = subprocess.Popen(
                 [sys.executable, "-m", "pyro_tmc.background_compile", path], stdout=log, stderr=log
             )
-        _CHILDREN.add(self._child)
+        _CHILDREN[self._child] = self._files
 
     def _finish(self, inputs) -> None:
         """The child is done: compile here from inductor's cache, or say why not."""
         child, self._child = self._child, None
-        _CHILDREN.discard(child)
+        _CHILDREN.pop(child, None)
         log = _read_tail(self._files[1])
-        for path in self._files:
-            if os.path.exists(path):
-                os.remove(path)
+        _remove(self._files)
         if child.returncode != 0:
             self._compile_here(inputs, f"its compile in a child process failed: {log}")
             return
