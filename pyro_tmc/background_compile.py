@@ -138,13 +138,18 @@ class BackgroundCompile:
         try:
             self.compiled = self.compile_in_process(graph, [t.detach() for t in inputs], self.settings)
         except Exception as error:  # the uncompiled graph is always right: it goes on replaying
-            reason = " ".join(str(error).split())[:300]
-            warnings.warn(
-                f"pyro_tmc: inductor could not compile the captured step ({reason}); it is replayed "
-                "uncompiled instead (same values).",
-                RuntimeWarning,
-                stacklevel=7,
-            )
+            warn_replayed_uncompiled(error, stacklevel=8)
+
+
+def warn_replayed_uncompiled(error: Exception, stacklevel: int) -> None:
+    """The one warning that inductor failed on a captured step, which is replayed uncompiled."""
+    reason = " ".join(str(error).split())[:300]
+    warnings.warn(
+        f"pyro_tmc: inductor could not compile the captured step ({reason}); it is replayed "
+        "uncompiled instead (same values).",
+        RuntimeWarning,
+        stacklevel=stacklevel + 1,
+    )
 
 
 def _read_tail(path: str, size: int = 600) -> str:

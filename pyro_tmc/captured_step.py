@@ -64,6 +64,7 @@ import pyro
 from pyro.poutine.messenger import Messenger
 
 from ._pyro import param_store_holding
+from .background_compile import warn_replayed_uncompiled
 from .compiled import (
     MODES,
     GraphFallback,
@@ -647,13 +648,7 @@ class StepProgram:
         except Exception as error:  # inductor compiles at the first replay: it may fail there
             if captured.uncompiled is None:
                 raise
-            reason = " ".join(str(error).split())[:300]
-            warnings.warn(
-                f"pyro_tmc: inductor could not compile the captured step ({reason}); it is replayed "
-                "uncompiled instead (same values).",
-                RuntimeWarning,
-                stacklevel=5,
-            )
+            warn_replayed_uncompiled(error, stacklevel=5)
             captured.program, captured.uncompiled = captured.uncompiled, None
             _set_rng_state(rng_state)
             loss, underflow, *grads = run()

@@ -398,7 +398,12 @@ def _exact_matmul_entries(x: torch.Tensor, y: torch.Tensor, index: torch.Tensor)
 
 
 def _graph_log_matmul_exp(
-    x: torch.Tensor, y: torch.Tensor, x_shift: torch.Tensor, y_shift: torch.Tensor, live: torch.Tensor
+    x: torch.Tensor,
+    y: torch.Tensor,
+    x_shift: torch.Tensor,
+    y_shift: torch.Tensor,
+    live: torch.Tensor,
+    needed: Optional[int],
 ) -> torch.Tensor:
     """
     :func:`log_matmul_exp` in a traced graph, which cannot repair entries on demand.
@@ -411,20 +416,10 @@ def _graph_log_matmul_exp(
     Beyond the capacity, and above :data:`GRAPH_REPAIR_ELEMENTS` terms, the product is
     flagged, as an estimate's graph does, and the step redone eagerly. So Fig. 4's chain
     and small stiff chains replay with no eager redo. A product that the eager step found
-    clean, after one that was clean too, is flagged only (no repair to compile); one that
-    it found clean in float32 itself is taken in float32, and flagged only.
+    clean, after one that was clean too, is flagged only (no repair to compile).
+    ``needed``: the eager step's count for this product (:func:`_graph_hint`), if any.
     """
     hints = _REPAIR_HINTS.get()
-    shape = torch.broadcast_shapes(x.shape[:-2], y.shape[:-2]) + (x.size(-2), y.size(-1))  # the product's
-    needed = None if hints is None else hints.next(shape)
-    if needed == 0 and hints.narrow_clean():
-        # clean in float32 in the eager step (the MNIST VAE's products): taken in float32 and
-        # flagged, as a product of the estimate is (a step that underflows is redone eagerly, and
-        # a key mostly redone is captured again, its products then in float64). Float64 cost the
-        # small VAE's step ~3 ms of 47
-        shifted_sum = torch.matmul(exp_or_zero(x - x_shift), exp_or_zero(y - y_shift))
-        _DEFERRED_FLAGS.get().append(((shifted_sum < underflow_floor(x.dtype, x.size(-1))) & live).any())
-        return _plus(safe_log(shifted_sum), [x_shift, y_shift])
     wide_x, wide_y = x_shift.double(), y_shift.double()
     shifted_sum = torch.matmul(exp_or_zero(x.double() - wide_x), exp_or_zero(y.double() - wide_y))
     low = (shifted_sum < underflow_floor(torch.float64, x.size(-1))) & live
@@ -470,6 +465,19 @@ def _graph_log_matmul_exp(
     if not small:  # more underflowed entries than the capacity: the step is redone eagerly
         _DEFERRED_FLAGS.get().append(low.sum() > capacity)
     return value.reshape(fast.shape)
+
+
+def _graph_hint(x: torch.Tensor, y: torch.Tensor) -> Tuple[Optional[int], bool]:
+    """
+    What the eager step before the capture recorded for the product ``x @ y`` being
+    traced: how many entries it repaired (``None``: no record lines up), and whether it
+    was clean in float32.
+    """
+    hints = _REPAIR_HINTS.get()
+    if hints is None:
+        return None, False
+    needed = hints.next(torch.broadcast_shapes(x.shape[:-2], y.shape[:-2]) + (x.size(-2), y.size(-1)))
+    return needed, needed == 0 and hints.narrow_clean()
 
 
 def repair_capacity(num_entries: int, needed: Optional[int] = None) -> int:
@@ -547,7 +555,13 @@ def log_matmul_exp(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     y_shift = y.detach().amax(-2, keepdim=True).clamp(min=floor)
     live = lambda: (x_shift > floor) & (y_shift > floor)  # noqa: E731 (finite maxima: not clamped)
     if checks_deferred() and _REPAIR_IN_GRAPH.get():
-        return _graph_log_matmul_exp(x, y, x_shift, y_shift, live())
+        needed, narrow_clean = _graph_hint(x, y)
+        if not narrow_clean:
+            return _graph_log_matmul_exp(x, y, x_shift, y_shift, live(), needed)
+        # clean in float32 in the eager step (the MNIST VAE's products): taken in float32 and
+        # flagged below, as a product of the estimate is (a step that underflows is redone eagerly,
+        # and a key mostly redone is captured again, in float64). Float64 cost the small VAE's
+        # step ~3 ms of 47
     shifted_sum = torch.matmul(exp_or_zero(x - x_shift), exp_or_zero(y - y_shift))
     wide_sum = lambda: torch.matmul(  # noqa: E731 (the same product in float64)
         exp_or_zero(x.double() - x_shift.double()), exp_or_zero(y.double() - y_shift.double())
