@@ -393,8 +393,9 @@ def plan_groups(graph: Graph, batch_draws: bool = False) -> List[List[Group]]:
             by_key[key].append(node)
     order = {node: i for i, node in enumerate(graph.nodes)}
     split = [part for members in by_key.values() for part in _split_by_input(members)]
-    singles += [node for part in split if _few_and_large(len(part), _value(part[0])) for node in part]
-    split = [part for part in split if not _few_and_large(len(part), _value(part[0]))]
+    one_by_one = [_few_and_large(len(part), _value(part[0])) for part in split]
+    singles += [node for part, alone in zip(split, one_by_one) if alone for node in part]
+    split = [part for part, alone in zip(split, one_by_one) if not alone]
     groups = [Group(members) for members in split] + [Group([node]) for node in singles]
     schedule: Dict[int, List[Group]] = defaultdict(list)
     for group in groups:
