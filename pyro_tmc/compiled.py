@@ -63,6 +63,14 @@ MODES = (None, "graph", "inductor")
 #: same replay time (benchmarks/BENCHMARKS.md, "Issue 19, eighth part").
 INDUCTOR_SETTINGS = {"max_fusion_buffer_group_pairwise_attempts": 16}
 
+#: inductor settings for a captured step on the CPU, unless ``compile_options`` set them: the
+#: code that calls the kernels written in C++ rather than Python. A replay then skips Python's
+#: ~10 us per kernel and library call, and g++ compiles one file instead of one per kernel
+#: (benchmarks/BENCHMARKS.md, "Issue 19, thirteenth part": small MNIST VAE 0.86x -> 0.83x
+#: Pyro's RenyiELBO, its first calls 54-59 s -> 45-47 s; Fig. 4's 100-link chain replays in
+#: 3.1-3.7 ms instead of 5.0-5.1 ms).
+CPU_STEP_SETTINGS = {"cpp_wrapper": True}
+
 #: plans kept per loss: a model whose plan changes every step stops being traced after this many
 MAX_PLANS = 16
 
@@ -465,6 +473,8 @@ def compiled_step_graph(graph: torch.fx.GraphModule, options: dict, background: 
     settings = keywords.get("options") or {}
     if keywords.get("backend", "inductor") != "inductor" or settings.get("triton.cudagraphs", False):
         return compiled_keeping_validation(graph, options)
+    if _on_cpu(graph):
+        settings = {**CPU_STEP_SETTINGS, **settings}
     if background:
         return BackgroundCompile(graph, settings, compile_captured_graph)
     compiled: Optional[Callable] = None
@@ -479,6 +489,12 @@ def compiled_step_graph(graph: torch.fx.GraphModule, options: dict, background: 
         return compiled(*inputs)
 
     return run
+
+
+def _on_cpu(graph: torch.fx.GraphModule) -> bool:
+    """Whether every input of a captured step's graph is a CPU tensor (its placeholders' example values)."""
+    values = [node.meta.get("val") for node in graph.graph.find_nodes(op="placeholder")]
+    return all(not isinstance(value, torch.Tensor) or value.device.type == "cpu" for value in values)
 
 
 def compile_captured_graph(

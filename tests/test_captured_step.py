@@ -567,19 +567,39 @@ def test_a_cuda_graph_mode_compiles_through_torch_compile(monkeypatch):
     assert calls and all(k["options"]["triton.cudagraphs"] for k in calls)
 
 
-def test_inductors_cpp_wrapper_replays_the_eager_step():
+def test_inductors_python_wrapper_replays_the_eager_step():
     """
-    ``compile_options={"options": {"cpp_wrapper": True}}`` (docs/performance.md: a small
-    step's Python wrapper in C++) replays a stiff chain's step, repairs included, as
-    the eager step computes it.
+    ``compile_options={"options": {"cpp_wrapper": False}}`` (docs/performance.md: the
+    kernels called from Python, as before the C++ wrapper became the CPU's default)
+    replays a stiff chain's step, repairs included, as the eager step computes it.
     """
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
-    make_loss = functools.partial(chain_loss, 8, compile_options={"options": {"cpp_wrapper": True}})
+    make_loss = functools.partial(chain_loss, 8, compile_options={"options": {"cpp_wrapper": False}})
     replayed, eager = _replay_and_eager(
         make_loss, stiff_chain_model, chain_guide, (torch.tensor(0.7), 12), mode="inductor"
     )
     _assert_same(replayed, eager, rtol=1e-4)
+
+
+@pytest.mark.parametrize("options, expected", [(None, True), ({"options": {"cpp_wrapper": False}}, False)])
+def test_a_cpu_step_is_compiled_with_the_cpp_wrapper_unless_told_otherwise(monkeypatch, options, expected):
+    """A captured CPU step gets inductor's C++ wrapper by default; ``compile_options`` overrides it."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    import torch._inductor
+
+    settings = []
+
+    def recording_compile(graph, example_inputs, options=None):  # as torch._inductor.compile
+        settings.append(options)
+        return graph  # replays uncompiled: only the settings matter here
+
+    monkeypatch.setattr(torch._inductor, "compile", recording_compile)
+    loss = TMC_ELBO(num_samples=4, max_plate_nesting=1, compile="inductor", compile_options=options)
+    for _ in range(3):
+        loss.loss_and_grads(toy_model, toy_guide, torch.randn(6))
+    assert len(settings) == 1 and settings[0]["cpp_wrapper"] is expected
 
 
 def test_a_step_compiled_in_the_background_equals_the_eager_step_before_and_after():
