@@ -63,12 +63,12 @@ MODES = (None, "graph", "inductor")
 #: same replay time (benchmarks/BENCHMARKS.md, "Issue 19, eighth part").
 INDUCTOR_SETTINGS = {"max_fusion_buffer_group_pairwise_attempts": 16}
 
-#: inductor settings for a captured step on the CPU, unless ``compile_options`` set them: the
-#: code that calls the kernels written in C++ rather than Python. A replay then skips Python's
-#: ~10 us per kernel and library call, and g++ compiles one file instead of one per kernel
-#: (benchmarks/BENCHMARKS.md, "Issue 19, thirteenth part": small MNIST VAE 0.86x -> 0.83x
-#: Pyro's RenyiELBO, its first calls 54-59 s -> 45-47 s; Fig. 4's 100-link chain replays in
-#: 3.1-3.7 ms instead of 5.0-5.1 ms).
+#: inductor settings tried first for a captured step on the CPU (:func:`compile_captured_graph`),
+#: unless ``compile_options`` set them: the code that calls the kernels written in C++ rather
+#: than Python. A replay then skips Python's ~10 us per kernel and library call, and g++ compiles
+#: one file instead of one per kernel (benchmarks/BENCHMARKS.md, "Issue 19, thirteenth part":
+#: the small MNIST VAE 0.858-0.864x -> 0.828-0.865x Pyro's RenyiELBO, its first calls 54-59 s ->
+#: 45-47 s; the toys 0.47x / 0.77x -> 0.40x / 0.62x a compiled hand-written step).
 CPU_STEP_SETTINGS = {"cpp_wrapper": True}
 
 #: plans kept per loss: a model whose plan changes every step stops being traced after this many
@@ -473,8 +473,6 @@ def compiled_step_graph(graph: torch.fx.GraphModule, options: dict, background: 
     settings = keywords.get("options") or {}
     if keywords.get("backend", "inductor") != "inductor" or settings.get("triton.cudagraphs", False):
         return compiled_keeping_validation(graph, options)
-    if _on_cpu(graph):
-        settings = {**CPU_STEP_SETTINGS, **settings}
     if background:
         return BackgroundCompile(graph, settings, compile_captured_graph)
     compiled: Optional[Callable] = None
@@ -491,16 +489,25 @@ def compiled_step_graph(graph: torch.fx.GraphModule, options: dict, background: 
     return run
 
 
-def _on_cpu(graph: torch.fx.GraphModule) -> bool:
-    """Whether every input of a captured step's graph is a CPU tensor (its placeholders' example values)."""
-    values = [node.meta.get("val") for node in graph.graph.find_nodes(op="placeholder")]
-    return all(not isinstance(value, torch.Tensor) or value.device.type == "cpu" for value in values)
-
-
 def compile_captured_graph(
     graph: torch.fx.GraphModule, examples: List[torch.Tensor], settings: dict
 ) -> Callable:
-    """``torch._inductor.compile`` of a captured step's graph, in a :func:`_cacheable_compile` context."""
+    """
+    ``torch._inductor.compile`` of a captured step's graph, in a :func:`_cacheable_compile`
+    context. For CPU inputs, unless ``settings`` name them, :data:`CPU_STEP_SETTINGS` are tried
+    first and, should that compile fail, dropped: the default never compiles less than
+    inductor's own settings do.
+    """
+    on_cpu = all(example.device.type == "cpu" for example in examples)
+    if on_cpu and not CPU_STEP_SETTINGS.keys() & settings.keys():
+        try:
+            return _inductor_compile(graph, examples, {**CPU_STEP_SETTINGS, **settings})
+        except Exception:  # e.g. an operation the C++ wrapper cannot call: inductor's defaults below
+            pass
+    return _inductor_compile(graph, examples, settings)
+
+
+def _inductor_compile(graph: torch.fx.GraphModule, examples: List[torch.Tensor], settings: dict) -> Callable:
     from torch._inductor import compile as inductor_compile  # imported only when used
 
     with _cacheable_compile():

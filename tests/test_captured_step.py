@@ -602,6 +602,30 @@ def test_a_cpu_step_is_compiled_with_the_cpp_wrapper_unless_told_otherwise(monke
     assert len(settings) == 1 and settings[0]["cpp_wrapper"] is expected
 
 
+def test_a_step_the_cpp_wrapper_cannot_compile_gets_inductors_defaults(monkeypatch):
+    """Where the default C++ wrapper fails to compile, the step is compiled without it, with no warning."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    import torch._inductor
+
+    settings = []
+
+    def compile_refusing_cpp_wrapper(graph, example_inputs, options=None):  # as torch._inductor.compile
+        settings.append(options)
+        if options.get("cpp_wrapper"):
+            raise RuntimeError("no C++ shim for this operation")
+        return graph
+
+    monkeypatch.setattr(torch._inductor, "compile", compile_refusing_cpp_wrapper)
+    loss = TMC_ELBO(num_samples=4, max_plate_nesting=1, compile="inductor")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            loss.loss_and_grads(toy_model, toy_guide, torch.randn(6))
+    assert [options.get("cpp_wrapper") for options in settings] == [True, None]
+    assert loss.step_program.replays == 1
+
+
 def test_a_step_compiled_in_the_background_equals_the_eager_step_before_and_after():
     """
     With ``compile_in_background``, the first replay starts inductor's compile in a
