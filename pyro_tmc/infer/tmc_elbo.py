@@ -82,7 +82,9 @@ class TMC_ELBO(DifferentiableLossELBO):
         or ``{"options": {...}}`` (inductor settings). A captured whole step is
         compiled by inductor from its graph directly (``torch._inductor.compile``,
         with those settings), except with CUDA graphs or another ``backend``
-        (:func:`pyro_tmc.compiled.compiled_step_graph`).
+        (:func:`pyro_tmc.compiled.compiled_step_graph`). On the CPU it gets
+        inductor's C++ wrapper unless the settings name ``cpp_wrapper``
+        (:data:`pyro_tmc.compiled.CPU_STEP_SETTINGS`).
     :param str compile_scope: ``"step"`` (default): capture whole steps, as
         above; ``"estimate"``: run guide and model eagerly and capture only the
         estimate from their traces (:mod:`pyro_tmc.compiled`), for a model whose
