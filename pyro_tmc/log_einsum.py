@@ -164,8 +164,9 @@ def counting_repairs() -> Iterator[List[RepairCount]]:
 class _RepairHints:
     """The counts of :func:`counting_repairs`, read one product at a time by a trace."""
 
-    def __init__(self, counts: List[Tuple]) -> None:
-        self.counts = counts
+    def __init__(self, counts: Sequence[tuple]) -> None:
+        # a plain (shape, count) reads as a product not clean in float32
+        self.counts = [RepairCount(*entry) for entry in counts]
         self.used = 0
 
     def next(self, shape: torch.Size) -> Optional[int]:
@@ -173,25 +174,24 @@ class _RepairHints:
         The count of the next product, of ``shape``; ``None`` from the first product
         that does not line up with the eager step's on (those get the default size).
         """
-        if self.used < len(self.counts) and self.counts[self.used][0] == shape:
+        if self.used < len(self.counts) and self.counts[self.used].shape == shape:
             self.used += 1
-            return self.counts[self.used - 1][1]
+            return self.counts[self.used - 1].count
         self.used = len(self.counts)
         return None
 
     def narrow_clean(self) -> bool:
         """Whether the product :meth:`next` gave last was clean in float32 in the eager step."""
-        entry = self.counts[self.used - 1] if 1 <= self.used <= len(self.counts) else ()
-        return len(entry) > 2 and bool(entry[2])
+        return 1 <= self.used <= len(self.counts) and self.counts[self.used - 1].narrow_clean
 
     def follows_a_clean_product(self) -> bool:
         """Whether the product before the one :meth:`next` gave last repaired nothing in the eager step."""
-        return 2 <= self.used <= len(self.counts) and self.counts[self.used - 2][1] == 0
+        return 2 <= self.used <= len(self.counts) and self.counts[self.used - 2].count == 0
 
 
 @contextmanager
 def deferred_underflow_checks(
-    repair_in_graph: bool = False, repair_counts: Optional[List[Tuple[torch.Size, int]]] = None
+    repair_in_graph: bool = False, repair_counts: Optional[Sequence[tuple]] = None
 ) -> Iterator[List[torch.Tensor]]:
     """
     Within this context (a graph being traced, where no branch on tensor values
