@@ -52,6 +52,9 @@ _VARYING_INTS = {
     aten.slice_backward.default: (3, 4),
 }
 
+#: the indexing backwards among them: each writes a gradient into a zero buffer
+_SCATTERS = (aten.select_backward.default, aten.slice_backward.default)
+
 #: random draws that are elementwise in their tensor arguments: one call on the members' stacked
 #: arguments draws each member's numbers independently (each call its own, from the same distribution)
 ELEMENTWISE_DRAWS = {
@@ -148,6 +151,15 @@ def _few_and_large(count: int, value: Any) -> bool:
         return False
     outputs, _ = tree_flatten(value)
     return sum(t.numel() for t in outputs if isinstance(t, torch.Tensor)) > LARGE_MEMBER
+
+
+def _few_scatters(members: List[Node]) -> bool:
+    """
+    Whether a group of ``select_backward`` / ``slice_backward`` is better run one by one:
+    batched, it is an index tensor, a zero buffer, an ``index_put`` and moves of dims, more
+    operations than a few members take alone (:data:`MIN_GROUP_SIZE`).
+    """
+    return members[0].target in _SCATTERS and len(members) < MIN_GROUP_SIZE
 
 
 def _same_shape_add(node: Node) -> bool:
@@ -349,19 +361,41 @@ def _group_key(node: Node, level: int, batch_draws: bool) -> Optional[tuple]:
         return None
     if target in (aten.stack.default, aten.cat.default) and len(node.args[0]) > MAX_GROUPED_JOIN:
         return None  # a long join of a loop's values: RolledStep._joined_from_groups indexes their groups
-    leaves, spec = tree_flatten((node.args, node.kwargs))
-    varying = _VARYING_INTS.get(target, ())
+    leaves, spec = tree_flatten((_varying_ints_masked(node), node.kwargs))
     statics = []
-    for position, leaf in enumerate(leaves):
+    for leaf in leaves:
         if isinstance(leaf, Node) and leaf.op == "get_attr":  # a constant: its identity, not only its shape
             statics.append(("C", leaf.target))
         elif isinstance(leaf, Node):
             statics.append(("T", _signature(_value(leaf))))
-        elif position in varying and isinstance(leaf, int):
+        elif leaf is _VARYING:
             statics.append("int")
         else:
             statics.append(("S", repr(leaf)))
     return (level, target, repr(spec), tuple(statics), _signature(_value(node)), runs_without_grad(node))
+
+
+#: stands for an int argument that may differ within a group (:func:`_varying_ints_masked`)
+_VARYING = object()
+
+
+def _varying_ints_masked(node: Node) -> tuple:
+    """
+    The node's arguments with each int that may differ within a group (:data:`_VARYING_INTS`)
+    replaced by :data:`_VARYING`. By argument, not by position among the flattened
+    arguments: ``select_backward`` and ``slice_backward`` take the input's sizes as a list,
+    which flattens into one leaf per dim, so a flattened position would name a size.
+    """
+    varying = _VARYING_INTS.get(node.target, ())
+    return tuple(
+        _VARYING if position in varying and isinstance(arg, int) else arg
+        for position, arg in enumerate(node.args)
+    )
+
+
+def _varying_ints(node: Node) -> tuple:
+    """The values of the node's arguments that may differ within its group (``None`` where left out)."""
+    return tuple(node.args[p] if p < len(node.args) else None for p in _VARYING_INTS[node.target])
 
 
 def plan_groups(graph: Graph, batch_draws: bool = False) -> List[List[Group]]:
@@ -393,7 +427,7 @@ def plan_groups(graph: Graph, batch_draws: bool = False) -> List[List[Group]]:
             by_key[key].append(node)
     order = {node: i for i, node in enumerate(graph.nodes)}
     split = [part for members in by_key.values() for part in _split_by_input(members)]
-    one_by_one = [_few_and_large(len(part), _value(part[0])) for part in split]
+    one_by_one = [_few_and_large(len(part), _value(part[0])) or _few_scatters(part) for part in split]
     singles += [node for part, alone in zip(split, one_by_one) if alone for node in part]
     split = [part for part, alone in zip(split, one_by_one) if not alone]
     groups = [Group(members) for members in split] + [Group([node]) for node in singles]
@@ -635,7 +669,7 @@ class RolledStep:
         size = len(group.members)
         rule = _BATCH_RULES.get(first.target)
         if rule is not None:
-            ints = [[ml[p] for p in _VARYING_INTS[first.target]] for ml in member_leaves]
+            ints = [_varying_ints(member) for member in group.members]
             return _Batched(rule(first, gathered, ints, size), size)
         values = [value for value, _ in gathered]
         in_dims = tuple(dim for _, dim in gathered)
@@ -692,7 +726,7 @@ def _take(stacked: torch.Tensor, indices: List[int]) -> torch.Tensor:
         step = indices[1] - indices[0]
         if step > 0 and indices == list(range(indices[0], indices[0] + step * len(indices), step)):
             return stacked[indices[0] : indices[-1] + 1 : step]
-    return stacked.index_select(0, torch.tensor(indices, device=stacked.device))
+    return stacked.index_select(0, torch.tensor(indices, dtype=torch.long, device=stacked.device))
 
 
 # -- batching rules for indexing at ints that differ between members ---------------------------
@@ -705,7 +739,7 @@ def _expand_shared(value: torch.Tensor, dim: Optional[int], size: int) -> torch.
 def _select_rule(node: Node, gathered, ints, size) -> torch.Tensor:
     ((source, source_dim),) = gathered
     dim = node.args[1] % source.dim() if source_dim is None else node.args[1] % (source.dim() - 1)
-    index = torch.tensor([i for (i,) in ints], device=source.device)
+    index = torch.tensor([i for (i,) in ints], dtype=torch.long, device=source.device)
     if source_dim is None:  # one tensor read at N indices: index_select
         index = index % source.size(dim)
         return source.index_select(dim, index).movedim(dim, 0)
@@ -721,7 +755,7 @@ def _slice_indices(node: Node, ints, length: int, device) -> torch.Tensor:
     for start, end in ints:
         start = 0 if start is None else start
         rows.append(list(range(length))[slice(start, end, step)])
-    return torch.tensor(rows, device=device)
+    return torch.tensor(rows, dtype=torch.long, device=device)  # long even when the slices are empty
 
 
 def _slice_rule(node: Node, gathered, ints, size) -> torch.Tensor:
@@ -745,7 +779,7 @@ def _select_backward_rule(node: Node, gathered, ints, size) -> torch.Tensor:
     sizes = list(node.args[1])
     dim = node.args[2] % len(sizes)
     out = grad.new_zeros([size] + sizes).movedim(dim + 1, 1)  # (members, dim, rest...)
-    index = torch.tensor([i for (i,) in ints], device=grad.device) % sizes[dim]
+    index = torch.tensor([i for (i,) in ints], dtype=torch.long, device=grad.device) % sizes[dim]
     out = out.index_put((torch.arange(size, device=grad.device), index), grad)
     return out.movedim(1, dim + 1)
 
@@ -757,7 +791,7 @@ def _slice_backward_rule(node: Node, gathered, ints, size) -> torch.Tensor:
     dim = node.args[2] % len(sizes)
     step = node.args[5] if len(node.args) > 5 else 1
     rows = [list(range(sizes[dim]))[slice(start, end, step)] for start, end in ints]
-    index = torch.tensor(rows, device=grad.device)
+    index = torch.tensor(rows, dtype=torch.long, device=grad.device)  # long even when the slices are empty
     out = grad.new_zeros([size] + sizes).movedim(dim + 1, 1)
     values = grad.movedim(dim + 1, 1)  # (members, L, rest...)
     out = out.index_put((torch.arange(size, device=grad.device)[:, None], index), values)

@@ -16,6 +16,7 @@ import torch
 
 import pyro
 import pyro.distributions as dist
+from pyro.distributions import constraints
 from pyro.infer import SVI
 
 from pyro_tmc import IWAE_ELBO, TMC_ELBO, TMC_RWS
@@ -350,6 +351,39 @@ def test_non_factorised_guide_in_a_plate_is_captured():
             lambda **kw: TMC_ELBO(num_samples=3, max_plate_nesting=1, **kw), model, guide, (x,)
         )
     )
+
+
+def test_a_sliced_contraction_under_stl_is_replayed_as_the_eager_step():
+    """
+    Found by fuzzing the captured step: a memory budget small enough to slice the contraction
+    over an enumerated global, under STL, rolls ``slice_backward``s of 2-d gradients, whose
+    bounds rolling once read at the wrong flattened position (the replay crashed; a
+    ``select_backward`` there scattered into the wrong row).
+    """
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    x = torch.tensor([0.0, 1.0])
+
+    def model(x):
+        g = pyro.sample(
+            "g", dist.OneHotCategorical(torch.tensor([0.27, 0.36, 0.37])), infer={"enumerate": "parallel"}
+        )
+        with pyro.plate("data", 2):
+            z = pyro.sample("z", dist.Normal(0.19 + (g * torch.tensor([0.05, 0.71, -0.25])).sum(-1), 0.5))
+            pyro.sample("x", dist.Bernoulli(logits=-0.24 - 0.01 * z), obs=x)
+
+    def guide(x):
+        with pyro.plate("data", 2):
+            loc = pyro.param("loc", torch.tensor([0.51, 0.51]))
+            scale = pyro.param("scale", torch.tensor([1.39, 1.39]), constraint=constraints.positive)
+            pyro.sample("z", dist.Normal(loc, scale))
+
+    def make_loss(**kwargs):
+        return TMC_ELBO(
+            num_samples=4, max_plate_nesting=1, variance_reduction="stl", max_factor_bytes=8, **kwargs
+        )
+
+    _assert_same(*_replay_and_eager(make_loss, model, guide, (x,)))
 
 
 def test_slower_replay_gives_way_to_the_eager_step(monkeypatch):

@@ -139,6 +139,27 @@ def test_mutations_keep_their_order():
         assert torch.allclose(a, e)
 
 
+def test_indexing_backwards_of_several_dims_roll_at_their_own_index():
+    """
+    ``select_backward`` / ``slice_backward`` take the input's sizes as a list: rolling reads
+    the index (and slice bounds) of each member by argument, not at a flattened position,
+    which would name one of the sizes (a gradient scattered into the wrong row, silently).
+    """
+    aten = torch.ops.aten
+
+    def step(x, y):
+        # like operations at one level, at one index: rolling batches each kind into one group
+        rows = [aten.select_backward(x[i] * 2.0, [4, 3, 2], 0, 1) for i in range(5)]
+        slices = [aten.slice_backward(y[i] * 2.0, [4, 2], 0, 1, 3, 1) for i in range(5)]
+        return torch.stack(rows), torch.stack(slices)
+
+    x, y = torch.randn(5, 3, 2), torch.randn(5, 2, 2)
+    graph = make_fx(step, tracing_mode="fake")(x, y)
+    rolled = roll(graph, [x, y], batch_draws=False)
+    assert count_operations(rolled) < count_operations(graph)
+    _same_outputs(graph, rolled, [x, y])
+
+
 def _largest_join(graph) -> int:
     joins = (torch.ops.aten.stack.default, torch.ops.aten.cat.default)
     return max((len(n.args[0]) for n in graph.graph.nodes if n.target in joins), default=0)
