@@ -593,7 +593,10 @@ class RolledStep:
             values.append(value)
         loose_at = {source: offset + i for i, source in enumerate(dict.fromkeys(loose))}
         if loose_at:
-            values.append(torch.stack([self._get(source) for source in loose_at]))
+            loose_values = [self._get(source) for source in loose_at]
+            if len({(tuple(v.shape), v.dtype) for v in loose_values}) > 1:  # a cat of unequal lengths
+                return None
+            values.append(torch.stack(loose_values))
         if offset + len(loose_at) > MAX_GATHER_WASTE * len(sources):  # most rows unused: stack the few
             return None
         if len({(tuple(v.shape[1:]), v.dtype) for v in values}) > 1:

@@ -160,6 +160,20 @@ def test_indexing_backwards_of_several_dims_roll_at_their_own_index():
     _same_outputs(graph, rolled, [x, y])
 
 
+def test_a_join_of_group_members_and_tensors_of_other_lengths_rolls():
+    """A ``cat`` of a group's members with two loose tensors of unequal lengths (fuzz case 487)."""
+
+    def step(x, y, z):
+        parts = [x[i] * 2.0 for i in range(6)]  # like operations: one group
+        return torch.cat(parts + [y * 3.0, z * 4.0])
+
+    inputs = [torch.randn(6, 3), torch.randn(2), torch.randn(1)]
+    graph = make_fx(step, tracing_mode="fake")(*inputs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _same_outputs(graph, roll(graph, inputs, batch_draws=False), inputs)
+
+
 def _largest_join(graph) -> int:
     joins = (torch.ops.aten.stack.default, torch.ops.aten.cat.default)
     return max((len(n.args[0]) for n in graph.graph.nodes if n.target in joins), default=0)
