@@ -198,7 +198,9 @@ def collapse_sum_chains(graph: Graph) -> int:
             stacked = graph.call_function(aten.stack.default, (leaves, 0))
             total = graph.call_function(aten.sum.dim_IntList, (stacked, [0]))
         total.meta["val"] = _value(node)
-        stacked.meta["val"] = None
+        # the stack's own value (a fake tensor, as the trace gives each node): grouping compares
+        # it, and without it two stacks of unequal lengths read as alike
+        stacked.meta["val"] = _stacked_value(_value(node), len(leaves))
         if runs_without_grad(node):
             stacked.meta[NO_GRAD] = total.meta[NO_GRAD] = True
         node.replace_all_uses_with(total)
@@ -207,6 +209,13 @@ def collapse_sum_chains(graph: Graph) -> int:
             erased.add(dead)
         rewritten += 1
     return rewritten
+
+
+def _stacked_value(value: Any, count: int) -> Any:
+    """The value of ``stack`` of ``count`` tensors like ``value`` (``None`` where it holds no tensor)."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    return value.new_empty((count,) + tuple(value.shape))
 
 
 def _chain_leaves(end: Node) -> Tuple[List[Node], List[Node]]:
@@ -572,20 +581,10 @@ class RolledStep:
         contraction, with the few others stacked beside them), not a stack of
         one-by-one reads.
         """
-        if not sources or not all(isinstance(s, Node) for s in sources):
+        split = self._blocks_and_loose(sources)
+        if split is None:
             return None
-        blocks: Dict[int, Tuple[Any, int]] = {}  # id(group output) -> (its stacked value, its offset)
-        loose: List[Node] = []
-        for source in sources:
-            if source not in self.place:
-                loose.append(source)
-                continue
-            batched = self.place[source][0]
-            if not isinstance(batched.value, torch.Tensor):
-                return None
-            blocks.setdefault(id(batched), (batched.value, 0))
-        if not blocks or len(loose) * 2 > len(sources):  # mostly one-by-one values: a plain stack
-            return None
+        blocks, loose = split
         offset, values = 0, []
         for key, (value, _) in blocks.items():
             blocks[key] = (value, offset)
@@ -593,10 +592,10 @@ class RolledStep:
             values.append(value)
         loose_at = {source: offset + i for i, source in enumerate(dict.fromkeys(loose))}
         if loose_at:
-            loose_values = [self._get(source) for source in loose_at]
-            if len({(tuple(v.shape), v.dtype) for v in loose_values}) > 1:  # a cat of unequal lengths
+            stacked = self._stacked_alike(list(loose_at))
+            if stacked is None:
                 return None
-            values.append(torch.stack(loose_values))
+            values.append(stacked)
         if offset + len(loose_at) > MAX_GATHER_WASTE * len(sources):  # most rows unused: stack the few
             return None
         if len({(tuple(v.shape[1:]), v.dtype) for v in values}) > 1:
@@ -607,6 +606,36 @@ class RolledStep:
             for s in sources
         ]
         return _take(whole, rows)
+
+    def _blocks_and_loose(
+        self, sources: Sequence[Node]
+    ) -> Optional[Tuple[Dict[int, Tuple[Any, int]], List[Node]]]:
+        """
+        The batched outputs that hold the sources (``id -> (stacked value, 0)``), and the
+        sources no group holds; ``None`` where most are of the latter (a plain stack).
+        """
+        if not sources or not all(isinstance(s, Node) for s in sources):
+            return None
+        blocks: Dict[int, Tuple[Any, int]] = {}
+        loose: List[Node] = []
+        for source in sources:
+            if source not in self.place:
+                loose.append(source)
+                continue
+            batched = self.place[source][0]
+            if not isinstance(batched.value, torch.Tensor):
+                return None
+            blocks.setdefault(id(batched), (batched.value, 0))
+        if not blocks or len(loose) * 2 > len(sources):  # mostly one-by-one values
+            return None
+        return blocks, loose
+
+    def _stacked_alike(self, sources: List[Node]) -> Optional[torch.Tensor]:
+        """``stack`` of the sources' values; ``None`` where their shapes differ (a ``cat``'s)."""
+        values = [self._get(source) for source in sources]
+        if len({(tuple(v.shape), v.dtype) for v in values}) > 1:
+            return None
+        return torch.stack(values)
 
     def _held_values(self, sources: Sequence[Any]) -> Optional[List[torch.Tensor]]:
         """The sources' tensors where each is a node holding one of its own (not a group member's row)."""

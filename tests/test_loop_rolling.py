@@ -25,7 +25,7 @@ from pyro_tmc.captured_step import (
     flatten_arguments,
     unconstrained_parameters,
 )
-from pyro_tmc.loop_rolling import LARGE_MEMBER, count_operations, roll
+from pyro_tmc.loop_rolling import LARGE_MEMBER, collapse_sum_chains, count_operations, roll
 
 try:
     from .test_compiled import _cases, chain_guide, chain_model
@@ -172,6 +172,23 @@ def test_a_join_of_group_members_and_tensors_of_other_lengths_rolls():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _same_outputs(graph, roll(graph, inputs, batch_draws=False), inputs)
+
+
+def test_a_collapsed_sum_chain_knows_its_stacks_length():
+    """
+    Two chains of additions, of 3 and 5 terms, become ``stack(...).sum(0)``; each new stack
+    carries its own value, so grouping does not take the two (of unequal lengths) as alike.
+    """
+
+    def step(x):
+        short = x[0] + x[1] + x[2]
+        long = x[3] + x[4] + x[5] + x[6] + x[7]
+        return short, long
+
+    graph = make_fx(step, tracing_mode="fake")(torch.randn(8, 3))
+    assert collapse_sum_chains(graph.graph) == 2
+    stacks = [n for n in graph.graph.nodes if n.target is torch.ops.aten.stack.default]
+    assert sorted(tuple(n.meta["val"].shape) for n in stacks) == [(3, 3), (5, 3)]
 
 
 def _largest_join(graph) -> int:
