@@ -13,6 +13,8 @@ a list of :class:`Check` results (what was compared, expected, got, pass or not)
   ``num_particles`` (the mean of the draws), or an extra latent that nothing depends on.
 - :func:`readout_oracle`: marginal weights sum to one; posterior draws are particles.
 - :func:`unbiasedness_oracle`: ``E[P_TMC] = p(x)`` on linear-Gaussian models.
+- :func:`captured_oracle`: the captured whole step (``compile="graph"``, rolled) replayed
+  from one RNG state equals the eager step: value and gradients.
 """
 
 import contextlib
@@ -936,6 +938,121 @@ def unbiasedness_oracle(case: Case, draws: int = 300) -> List[Check]:
     return checks
 
 
+# --------------------------------------------------------------------------- #
+# the captured step (compile="graph")
+# --------------------------------------------------------------------------- #
+
+
+def with_data_as_argument(model, guide):
+    """
+    ``(model, guide, data)``: the case's functions called with its data tensors as one
+    argument (a dict), as a captured step needs them (a tensor read from a global is not
+    an input: the step would run eagerly). The functions read their globals, so the
+    argument's tensors are put there for the call.
+    """
+    namespace = model.__globals__
+    names = [name for name, value in namespace.items() if isinstance(value, torch.Tensor)]
+
+    def calling_with(function):
+        def with_data(data):
+            saved = {name: namespace[name] for name in names}
+            namespace.update(data)
+            try:
+                return function()
+            finally:
+                namespace.update(saved)
+
+        return with_data
+
+    return calling_with(model), calling_with(guide), {name: namespace[name] for name in names}
+
+
+def _step(step, params: dict):
+    """``step()``'s loss and the gradient it leaves in each parameter's ``.grad``."""
+    for param in params.values():
+        param.grad = None
+    loss = step()
+    return loss, {name: None if p.grad is None else p.grad.clone() for name, p in params.items()}
+
+
+#: the losses the captured-step oracle runs, one per case (by seed), and the case options each takes
+CAPTURED_LOSSES = ("TMC_ELBO", "TMC_ELBO", "TMC_ELBO", "IWAE_ELBO", "TMC_RWS")
+CAPTURED_OPTIONS = {
+    "TMC_ELBO": ("variance_reduction", "max_factor_bytes"),
+    "IWAE_ELBO": ("variance_reduction",),
+    "TMC_RWS": (),
+}
+
+
+def captured_oracle(case: Case) -> List[Check]:
+    """
+    The captured whole step (``compile="graph"``, rolled however small) replayed from one
+    RNG state equals the eager step from that state: value and gradients. A step that
+    cannot be captured (a documented fallback: it reads a value) or whose replay is redone
+    eagerly (an underflow) is not judged; a crash or a failed roll is a failure.
+    """
+    spec = case.spec
+    name = CAPTURED_LOSSES[spec.seed % len(CAPTURED_LOSSES)]
+    options = {k: spec.options[k] for k in CAPTURED_OPTIONS[name] if spec.options.get(k)}
+    model, guide = fresh(case, spec.seed)
+    model, guide, data = with_data_as_argument(model, guide)
+    loss = tmc_elbo(spec, name, compile="graph", **options)
+    loss.step_program.roll_above = 0  # roll even a small step: rolling is what is tested
+    loss.step_program.choose_faster = False
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            loss.loss_and_grads(model, guide, data)  # eager: its errors are the other oracles' concern
+        except Exception as error:  # noqa: BLE001
+            raise NotApplicable from error
+        try:
+            loss.loss_and_grads(model, guide, data)  # captured
+            store = pyro.get_param_store()
+            params = {key: store.get_param(key).unconstrained() for key in store.keys()}
+            state = torch.get_rng_state()
+            replayed = _step(lambda: loss.loss_and_grads(model, guide, data), params)
+        except Exception as error:  # noqa: BLE001
+            return [
+                Check(
+                    "captured", "runs", False, "no exception", f"{type(error).__name__}: {str(error)[:300]}"
+                )
+            ]
+    rolls = [str(w.message) for w in caught if "could not roll" in str(w.message)]
+    if rolls:
+        return [Check("captured", "rolls", False, "rolled", rolls[0][:300])]
+    if loss.step_program.replays != 1:
+        raise NotApplicable  # not captured (a documented fallback), or the replay was redone eagerly
+    torch.set_rng_state(state)
+    with quiet():
+        value, grads = _step(lambda: loss._eager_loss_and_grads(model, guide, (data,), {}), params)
+    checks = [Check("captured", f"{name} value", close(replayed[0], value), value, replayed[0])]
+    for param, grad in grads.items():
+        other = replayed[1][param]
+        if grad is None or other is None:
+            ok = (grad is None or not grad.abs().any()) and (other is None or not other.abs().any())
+            checks.append(
+                Check(
+                    "captured",
+                    f"{name} grad {param}",
+                    ok,
+                    "none or zero",
+                    "none or zero" if ok else "one not zero",
+                )
+            )
+            continue
+        error = (other - grad).abs().max().item()
+        checks.append(
+            Check(
+                "captured",
+                f"{name} grad {param}",
+                error <= RTOL * (1.0 + grad.abs().max().item()),
+                0.0,
+                error,
+            )
+        )
+    return checks
+
+
 ORACLES: Dict[str, Callable] = {
     "enum": enum_oracle,
     "brute": brute_force_oracle,
@@ -944,14 +1061,15 @@ ORACLES: Dict[str, Callable] = {
     "invariance": invariance_oracle,
     "readout": readout_oracle,
     "unbiased": unbiasedness_oracle,
+    "captured": captured_oracle,
 }
 
 #: which oracles judge each family
 FAMILY_ORACLES = {
     "enum": ("enum", "readout", "dtype"),
-    "brute": ("brute", "invariance"),
+    "brute": ("brute", "invariance", "captured"),
     "twin": ("twin", "dtype"),
-    "general": ("dtype", "invariance", "readout"),
+    "general": ("dtype", "invariance", "readout", "captured"),
     "gauss": ("unbiased",),
 }
 
