@@ -55,6 +55,11 @@ _VARYING_INTS = {
 #: the indexing backwards among them: each writes a gradient into a zero buffer
 _SCATTERS = (aten.select_backward.default, aten.slice_backward.default)
 
+#: operations vmap has no batching rule for: batched, it loops over the members itself and prints
+#: a warning on the user's terminal (a Gamma's or Dirichlet's reparameterised gradient), so they
+#: run one by one
+NO_BATCHING_RULE = {aten._standard_gamma_grad.default, aten._dirichlet_grad.default}
+
 #: random draws that are elementwise in their tensor arguments: one call on the members' stacked
 #: arguments draws each member's numbers independently (each call its own, from the same distribution)
 ELEMENTWISE_DRAWS = {
@@ -367,6 +372,8 @@ def _group_key(node: Node, level: int, batch_draws: bool) -> Optional[tuple]:
         return None
     target = node.target
     if not (isinstance(target, torch._ops.OpOverload) or target is operator.getitem):
+        return None
+    if target in NO_BATCHING_RULE:
         return None
     if target in (aten.stack.default, aten.cat.default) and len(node.args[0]) > MAX_GROUPED_JOIN:
         return None  # a long join of a loop's values: RolledStep._joined_from_groups indexes their groups

@@ -191,6 +191,22 @@ def test_a_collapsed_sum_chain_knows_its_stacks_length():
     assert sorted(tuple(n.meta["val"].shape) for n in stacks) == [(3, 3), (5, 3)]
 
 
+def test_gradients_vmap_cannot_batch_run_one_by_one(capfd):
+    """
+    vmap has no batching rule for a Gamma's or a Dirichlet's reparameterised gradient: batched,
+    it loops itself and prints a warning to the terminal at every capture. They run one by one.
+    """
+    aten = torch.ops.aten
+
+    def step(x, alpha):
+        return torch.stack([aten._standard_gamma_grad(x[i] * 2.0, alpha[i] + 1.0) for i in range(5)])
+
+    inputs = [torch.rand(5, 3) + 0.1, torch.rand(5, 3)]
+    graph = make_fx(step, tracing_mode="fake")(*inputs)
+    _same_outputs(graph, roll(graph, inputs, batch_draws=False), inputs)
+    assert "batching rule" not in capfd.readouterr().err
+
+
 def _largest_join(graph) -> int:
     joins = (torch.ops.aten.stack.default, torch.ops.aten.cat.default)
     return max((len(n.args[0]) for n in graph.graph.nodes if n.target in joins), default=0)
