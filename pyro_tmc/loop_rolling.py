@@ -292,6 +292,13 @@ def _aliases(node: Node) -> bool:
     return bool(returns) and returns[0].alias_info is not None
 
 
+def _base(value: Any) -> Any:
+    """The node whose value ``value`` (a node) views, through any chain of views; else itself."""
+    while isinstance(value, Node) and _aliases(value):
+        value = value.args[0]
+    return value
+
+
 def replace_fresh_fills(graph: Graph) -> None:
     """
     ``empty(...).normal_()`` (how ``make_fx`` writes ``randn``) as one draw that
@@ -519,6 +526,8 @@ class RolledStep:
     def __init__(self, module: GraphModule, schedule: List[List[Group]]) -> None:
         self.module = module
         self.schedule = schedule
+        #: the tensors some operation writes into (by their base): a view of one must stay a view
+        self.written = {_base(node.args[0]) for node in module.graph.nodes if _mutates(node) and node.args}
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
         self.values: Dict[Node, Any] = {}
@@ -571,6 +580,8 @@ class RolledStep:
         if isinstance(node.target, torch._ops.HigherOrderOperator):  # (cond) refuses aliased operands
             get = self._get_unaliased
         args, kwargs = tree_map(lambda a: get(a) if isinstance(a, Node) else a, (node.args, node.kwargs))
+        if node.target is aten.view.default and _base(node.args[0]) not in self.written:
+            return _view(*args, **kwargs)
         return node.target(*args, **kwargs)
 
     def _get_unaliased(self, node: Node) -> Any:
@@ -754,6 +765,18 @@ def _join(node: Node, whole: torch.Tensor) -> Optional[torch.Tensor]:
         return None
     dim = dim % (whole.dim() - 1)
     return whole.movedim(0, dim).flatten(dim, dim + 1)
+
+
+def _view(tensor: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    """
+    ``tensor.view(shape)``, or a reshaped copy where its strides allow no view: a member
+    read from a batched output has that output's strides, not the ones the step traced
+    with. Only where nothing in the step writes into the tensor (the copy would miss it).
+    """
+    try:
+        return aten.view.default(tensor, shape)
+    except (RuntimeError, ValueError):  # "Cannot view a tensor with shape ... and strides ..."
+        return tensor.reshape(shape)
 
 
 def _take(stacked: torch.Tensor, indices: List[int]) -> torch.Tensor:

@@ -16,8 +16,10 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import pyro
 import pyro.distributions as dist
+from pyro import poutine
+from pyro.distributions import constraints
 
-from pyro_tmc import TMC_ELBO
+from pyro_tmc import TMC_ELBO, TMC_RWS
 from pyro_tmc.captured_step import (
     ROLLED_FROM,
     batches_draws,
@@ -205,6 +207,44 @@ def test_gradients_vmap_cannot_batch_run_one_by_one(capfd):
     graph = make_fx(step, tracing_mode="fake")(*inputs)
     _same_outputs(graph, roll(graph, inputs, batch_draws=False), inputs)
     assert "batching rule" not in capfd.readouterr().err
+
+
+def test_a_view_of_a_rolled_value_with_other_strides_rolls():
+    """
+    A ``view`` whose input, read from a batched group, has other strides than the trace's
+    (fuzz case 1559: a history-2 chain under TMC_RWS) is a reshape there: the step rolls.
+    """
+    y = torch.linspace(-0.5, 0.5, 12)
+
+    def model(y):
+        with poutine.scale(scale=0.5):
+            g = pyro.sample("g", dist.Bernoulli(0.58))
+            prev1 = prev2 = None
+            for t in pyro.markov(range(12), history=2):
+                loc = -0.71 + 0.76 * g
+                loc = loc if prev1 is None else loc + prev1
+                loc = loc if prev2 is None else loc + 0.49 * prev2
+                h = pyro.sample(f"h_{t}", dist.Normal(loc, 0.01))
+                pyro.sample(f"y_{t}", dist.Normal(-0.22 - 0.27 * h, 0.005), obs=y[t])
+                prev1, prev2 = h, prev1
+
+    def guide(y):
+        pyro.sample(
+            "g", dist.Bernoulli(pyro.param("p", torch.tensor(0.58), constraint=constraints.unit_interval))
+        )
+        loc = pyro.param("loc", torch.linspace(-0.8, 0.3, 12))
+        for t in range(12):
+            pyro.sample(f"h_{t}", dist.Normal(loc[t], 0.3))
+
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    loss = TMC_RWS(num_samples=8, proposal="diagonal", max_plate_nesting=0, compile="graph")
+    loss.step_program.roll_above = 0  # roll this small step
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*could not roll")
+        for _ in range(2):
+            loss.loss_and_grads(model, guide, y)
+    assert loss.step_program.captures == 1
 
 
 def _largest_join(graph) -> int:
