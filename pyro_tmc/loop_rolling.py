@@ -292,13 +292,6 @@ def _aliases(node: Node) -> bool:
     return bool(returns) and returns[0].alias_info is not None
 
 
-def _base(value: Any) -> Any:
-    """The node whose value ``value`` (a node) views, through any chain of views; else itself."""
-    while isinstance(value, Node) and _aliases(value):
-        value = value.args[0]
-    return value
-
-
 def replace_fresh_fills(graph: Graph) -> None:
     """
     ``empty(...).normal_()`` (how ``make_fx`` writes ``randn``) as one draw that
@@ -526,8 +519,8 @@ class RolledStep:
     def __init__(self, module: GraphModule, schedule: List[List[Group]]) -> None:
         self.module = module
         self.schedule = schedule
-        #: the tensors some operation writes into (by their base): a view of one must stay a view
-        self.written = {_base(node.args[0]) for node in module.graph.nodes if _mutates(node) and node.args}
+        #: the nodes that alias a tensor some operation writes into: a view among them stays a view
+        self.pinned = mutation_order(module.graph)[1]
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
         self.values: Dict[Node, Any] = {}
@@ -580,7 +573,7 @@ class RolledStep:
         if isinstance(node.target, torch._ops.HigherOrderOperator):  # (cond) refuses aliased operands
             get = self._get_unaliased
         args, kwargs = tree_map(lambda a: get(a) if isinstance(a, Node) else a, (node.args, node.kwargs))
-        if node.target is aten.view.default and _base(node.args[0]) not in self.written:
+        if node.target is aten.view.default and node not in self.pinned:
             return _view(*args, **kwargs)
         return node.target(*args, **kwargs)
 
