@@ -14,7 +14,8 @@ a list of :class:`Check` results (what was compared, expected, got, pass or not)
 - :func:`readout_oracle`: marginal weights sum to one; posterior draws are particles.
 - :func:`unbiasedness_oracle`: ``E[P_TMC] = p(x)`` on linear-Gaussian models.
 - :func:`captured_oracle`: the captured whole step (``compile="graph"``, rolled) replayed
-  from one RNG state equals the eager step: value and gradients.
+  from one RNG state equals the eager step: value and gradients. :func:`inductor_oracle`:
+  the same compiled by inductor (opt-in: ``--oracle inductor``).
 """
 
 import contextlib
@@ -986,19 +987,27 @@ CAPTURED_OPTIONS = {
 }
 
 
-def captured_oracle(case: Case) -> List[Check]:
+def captured_oracle(case: Case, compile: str = "graph") -> List[Check]:
     """
     The captured whole step (``compile="graph"``, rolled however small) replayed from one
     RNG state equals the eager step from that state: value and gradients. A step that
     cannot be captured (a documented fallback: it reads a value) or whose replay is redone
     eagerly (an underflow) is not judged; a crash or a failed roll is a failure.
+
+    :param str compile: ``"inductor"``: the same, with the rolled step compiled by inductor
+        (its own random draws replaced by torch's, ``fallback_random``, so that the numbers
+        are the eager step's), to :data:`INDUCTOR_RTOL`.
     """
     spec = case.spec
     name = CAPTURED_LOSSES[spec.seed % len(CAPTURED_LOSSES)]
     options = {k: spec.options[k] for k in CAPTURED_OPTIONS[name] if spec.options.get(k)}
+    if compile == "inductor":
+        options["compile_options"] = {"options": {"fallback_random": True}}
+    rtol = INDUCTOR_RTOL if compile == "inductor" else RTOL
+    label = "inductor" if compile == "inductor" else "captured"
     model, guide = fresh(case, spec.seed)
     model, guide, data = with_data_as_argument(model, guide)
-    loss = tmc_elbo(spec, name, compile="graph", **options)
+    loss = tmc_elbo(spec, name, compile=compile, **options)
     loss.step_program.roll_above = 0  # roll even a small step: rolling is what is tested
     loss.step_program.choose_faster = False
     with warnings.catch_warnings(record=True) as caught:
@@ -1015,24 +1024,39 @@ def captured_oracle(case: Case) -> List[Check]:
             replayed = _step(lambda: loss.loss_and_grads(model, guide, data), params)
         except Exception as error:  # noqa: BLE001
             return [
-                Check(
-                    "captured", "runs", False, "no exception", f"{type(error).__name__}: {str(error)[:300]}"
-                )
+                Check(label, "runs", False, "no exception", f"{type(error).__name__}: {str(error)[:300]}")
             ]
     rolls = [str(w.message) for w in caught if "could not roll" in str(w.message)]
     if rolls:
-        return [Check("captured", "rolls", False, "rolled", rolls[0][:300])]
+        return [Check(label, "rolls", False, "rolled", rolls[0][:300])]
     if loss.step_program.replays != 1:
         raise NotApplicable  # not captured (a documented fallback), or the replay was redone eagerly
+    if compile == "inductor" and not _compiled(loss):
+        failed = [str(w.message) for w in caught if "uncompiled" in str(w.message)]
+        return [Check(label, "compiles", False, "compiled", (failed or ["replayed uncompiled"])[0][:300])]
     torch.set_rng_state(state)
     with quiet():
         value, grads = _step(lambda: loss._eager_loss_and_grads(model, guide, (data,), {}), params)
-    checks = [Check("captured", f"{name} value", close(replayed[0], value), value, replayed[0])]
+    checks = [Check(label, f"{name} value", close(replayed[0], value, rtol), value, replayed[0])]
     for param, grad in grads.items():
         error = (replayed[1][param] - grad).abs().max().item()
-        ok = error <= RTOL * (1.0 + grad.abs().max().item())
-        checks.append(Check("captured", f"{name} grad {param}", ok, 0.0, error))
+        ok = error <= rtol * (1.0 + grad.abs().max().item())
+        checks.append(Check(label, f"{name} grad {param}", ok, 0.0, error))
     return checks
+
+
+def _compiled(loss) -> bool:
+    """Whether the loss's captured steps all run inductor's code (its uncompiled graph kept aside)."""
+    return all(step.uncompiled is not None for step in loss.step_program._steps.values() if step.program)
+
+
+#: inductor's fused kernels round differently from the eager step's operations
+INDUCTOR_RTOL = 1e-3
+
+
+def inductor_oracle(case: Case) -> List[Check]:
+    """:func:`captured_oracle` with the step compiled by inductor (seconds a case: not in CI's sweep)."""
+    return captured_oracle(case, compile="inductor")
 
 
 ORACLES: Dict[str, Callable] = {
@@ -1044,6 +1068,7 @@ ORACLES: Dict[str, Callable] = {
     "readout": readout_oracle,
     "unbiased": unbiasedness_oracle,
     "captured": captured_oracle,
+    "inductor": inductor_oracle,  # opt-in (--oracle inductor): a compile per case
 }
 
 #: which oracles judge each family

@@ -66,6 +66,20 @@ def test_fuzz_case(seed):
     )
 
 
+#: seeds whose captured step inductor compiles (brute and general families), a compile each
+#: (2-9 s); ``python -m tests.fuzz --oracle inductor --cases N`` runs many
+INDUCTOR_SEEDS = (6, 12, 19, 23)
+
+
+@pytest.mark.parametrize("seed", INDUCTOR_SEEDS)
+def test_inductor_step_equals_eager_step(seed):
+    case = make_case(seed)
+    checks = check_case(case, ["inductor"])
+    assert checks, f"seed {seed}: the step was not captured and compared; pick another seed"
+    failures = [c for c in checks if not c.ok and not c.refused]
+    assert not failures, "\n".join(c.line()[:600] for c in failures) + "\n\n" + case.describe()
+
+
 def test_cases_are_reproducible():
     """A seed gives the same source every time, with or without naming its family."""
     for seed in range(20):
