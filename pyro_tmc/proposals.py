@@ -382,17 +382,26 @@ def draw_joint_particles(
 
 
 def _place_particle_dim(value, batch_shape, event_shape, target_dim):
-    """Reshape a ``(K,) + batch_shape + event_shape`` sample so that K sits at ``target_dim``."""
+    """
+    Reshape a ``(K,) + batch_shape + event_shape`` sample so that K sits at ``target_dim``.
+
+    The batch shape may reach past ``target_dim`` with size 1 there: IWAE's shared particle
+    dim is allocated at the guide's first latent, so a model site enumerated later sits to
+    its left, and a latent drawn from the prior below it carries both.
+    """
     batch = list(batch_shape)
     while batch and batch[0] == 1:
         batch.pop(0)
     pad = -target_dim - 1 - len(batch)
-    if pad < 0:
+    if pad >= 0:
+        return value.reshape((value.shape[0],) + (1,) * pad + tuple(batch) + tuple(event_shape))
+    if batch[target_dim] != 1:
         raise ValueError(
             f"Particle dim {target_dim} collides with batch shape {tuple(batch_shape)}: "
             "increase max_plate_nesting."
         )
-    return value.reshape((value.shape[0],) + (1,) * pad + tuple(batch) + tuple(event_shape))
+    position = len(batch_shape) + target_dim  # the batch dim that the particles take
+    return value.squeeze(1 + position).movedim(0, position)
 
 
 def _device_of(fn: Distribution) -> torch.device:
