@@ -411,7 +411,7 @@ def _varying_ints_masked(node: Node) -> tuple:
 
 def _varying_ints(node: Node) -> tuple:
     """The values of the node's arguments that may differ within its group (``None`` where left out)."""
-    return tuple(node.args[p] if p < len(node.args) else None for p in _VARYING_INTS[node.target])
+    return tuple(node.args[p] if p < len(node.args) else None for p in _VARYING_INTS.get(node.target, ()))
 
 
 def plan_groups(graph: Graph, batch_draws: bool = False) -> List[List[Group]]:
@@ -853,7 +853,20 @@ def _slice_backward_rule(node: Node, gathered, ints, size) -> torch.Tensor:
     return out.movedim(1, dim + 1)
 
 
+def _copy_rule(node: Node, gathered, ints, size) -> torch.Tensor:
+    """
+    ``copy(self, src)``, which :func:`replace_fresh_fills` makes of ``empty().copy_(src)``:
+    vmap has no rule for it (batched, it loops and prints a warning).
+    """
+    (target, target_dim), (source, source_dim) = gathered
+    rank = target.dim() - (target_dim is not None)
+    if source_dim is not None:  # (members, *src) -> (members, 1, ..., *src): each member broadcasts alone
+        source = source.reshape((size,) + (1,) * (rank - source.dim() + 1) + tuple(source.shape[1:]))
+    return aten.copy(_expand_shared(target, target_dim, size), source)
+
+
 _BATCH_RULES: Dict[Any, Callable] = {
+    aten.copy.default: _copy_rule,
     aten.select.int: _select_rule,
     aten.slice.Tensor: _slice_rule,
     aten.select_backward.default: _select_backward_rule,

@@ -209,6 +209,28 @@ def test_gradients_vmap_cannot_batch_run_one_by_one(capfd):
     assert "batching rule" not in capfd.readouterr().err
 
 
+@pytest.mark.parametrize("per_member_source", [True, False], ids=["own_source", "shared_source"])
+def test_copies_into_fresh_tensors_roll_without_vmap_fallback(capfd, per_member_source):
+    """
+    ``empty().copy_(x)`` becomes ``copy(empty, x)`` (:func:`replace_fresh_fills`), which vmap has
+    no rule for: batched, it printed "There is a performance drop..." (fuzz case 4697, a stiff
+    chain under DReGs). Rolled by its own rule: broadcast, cast to the fresh tensor's dtype.
+    """
+
+    def step(x):
+        copies = []
+        for i in range(5):
+            source = x[i] * 2.0 if per_member_source else x[0]
+            copies.append(x.new_empty((2, 3), dtype=torch.float64).copy_(source) + i)
+        return torch.stack(copies).sum(0), torch.stack(copies)
+
+    inputs = [torch.randn(5, 3)]
+    graph = make_fx(step, tracing_mode="fake")(*inputs)
+    rolled = roll(graph, inputs, batch_draws=False)
+    _same_outputs(graph, rolled, inputs)
+    assert "performance drop" not in capfd.readouterr().err
+
+
 def test_a_view_of_a_rolled_value_with_other_strides_rolls():
     """
     A ``view`` whose input, read from a batched group, has other strides than the trace's
