@@ -865,8 +865,20 @@ def _copy_rule(node: Node, gathered, ints, size) -> torch.Tensor:
     return aten.copy(_expand_shared(target, target_dim, size), source)
 
 
+def _log_sigmoid_backward_rule(node: Node, gathered, ints, size) -> torch.Tensor:
+    """
+    vmap's rule passes a shared ``grad_output`` unexpanded, and the kernel then resizes its
+    output to the batch's shape, which torch deprecates with a warning at every replay (the
+    stick-breaking transform of a Dirichlet site under an AutoGuide). Its three tensors have
+    one shape: stacked, a shared one expanded, it is one call.
+    """
+    grad_output, value, buffer = (_expand_shared(tensor, dim, size) for tensor, dim in gathered)
+    return aten.log_sigmoid_backward(grad_output, value, buffer)
+
+
 _BATCH_RULES: Dict[Any, Callable] = {
     aten.copy.default: _copy_rule,
+    aten.log_sigmoid_backward.default: _log_sigmoid_backward_rule,
     aten.select.int: _select_rule,
     aten.slice.Tensor: _slice_rule,
     aten.select_backward.default: _select_backward_rule,

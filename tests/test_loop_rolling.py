@@ -231,6 +231,29 @@ def test_copies_into_fresh_tensors_roll_without_vmap_fallback(capfd, per_member_
     assert "performance drop" not in capfd.readouterr().err
 
 
+def test_log_sigmoid_backward_with_a_shared_gradient_rolls_without_resizing(capfd):
+    """
+    vmap's rule for ``log_sigmoid_backward`` with a shared ``grad_output`` called the kernel on
+    unexpanded operands: every replay printed "An output with one or more elements was resized"
+    (fuzz case 5508: Dirichlet sites under an AutoMultivariateNormal).
+    """
+    aten = torch.ops.aten
+
+    def step(grad, x):
+        results = []
+        for i in range(5):
+            _, buffer = aten.log_sigmoid_forward(x[i] * 2.0)
+            results.append(aten.log_sigmoid_backward(grad, x[i] * 2.0, buffer))
+        return (torch.stack(results),)
+
+    inputs = [torch.randn(4, 2), torch.randn(5, 4, 2)]
+    graph = make_fx(step, tracing_mode="fake")(*inputs)
+    rolled = roll(graph, inputs, batch_draws=False)
+    assert count_operations(rolled) < count_operations(graph)
+    _same_outputs(graph, rolled, inputs)
+    assert "resized" not in capfd.readouterr().err
+
+
 def test_a_view_of_a_rolled_value_with_other_strides_rolls():
     """
     A ``view`` whose input, read from a batched group, has other strides than the trace's
