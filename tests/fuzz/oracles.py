@@ -44,6 +44,8 @@ from .generator import Case, Spec
 
 #: relative tolerance of exact comparisons in float32 (values of order 1-100)
 RTOL = 2e-4
+#: the same for a step compiled by inductor, whose fused kernels round differently
+INDUCTOR_RTOL = 1e-3
 #: documented refusals of a whole case (API.md): "diagonal"/"permutation" with unequal K
 REFUSAL_MESSAGES = ("needs every upstream latent to have the same number",)
 #: errors that pyro_tmc documents as refusals (API.md): the option does not apply to the case
@@ -1050,10 +1052,6 @@ def captured_oracle(case: Case, compile: str = "graph") -> List[Check]:
 def _compiled(loss) -> bool:
     """Whether the loss's captured steps all run inductor's code (its uncompiled graph kept aside)."""
     return all(step.uncompiled is not None for step in loss.step_program._steps.values() if step.program)
-
-
-#: inductor's fused kernels round differently from the eager step's operations
-INDUCTOR_RTOL = 1e-3
 
 
 def inductor_oracle(case: Case) -> List[Check]:
