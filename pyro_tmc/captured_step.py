@@ -607,7 +607,9 @@ class StepProgram:
         captured = CapturedStep(program, unrolled, names, specs, structure, [eager_seconds])
         if self.mode == "inductor" and not self._too_large(program):
             _write_code(program)
-            captured.program = compiled_step_graph(program, self.options, self.compile_in_background)
+            captured.program = compiled_step_graph(
+                program, self.options, self.compile_in_background, rolled=ROLLED_FROM in program.meta
+            )
             captured.uncompiled = program
             captured.eager_seconds = None  # compiled: not timed against eager
         self._steps[key] = captured

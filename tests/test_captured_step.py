@@ -20,6 +20,7 @@ from pyro.distributions import constraints
 from pyro.infer import SVI
 
 from pyro_tmc import IWAE_ELBO, TMC_ELBO, TMC_RWS
+from pyro_tmc.captured_step import ROLLED_FROM
 
 try:
     from .test_compiled import _cases, chain_guide, chain_model, toy_guide, toy_model
@@ -634,6 +635,33 @@ def test_a_cpu_step_is_compiled_with_the_cpp_wrapper_unless_told_otherwise(monke
     for _ in range(3):
         loss.loss_and_grads(toy_model, toy_guide, torch.randn(6))
     assert len(settings) == 1 and settings[0]["cpp_wrapper"] is expected
+
+
+@pytest.mark.parametrize("rolled", [False, True])
+def test_a_rolled_step_builds_its_cpp_wrapper_apart_from_its_kernels(monkeypatch, rolled):
+    """
+    A step rolled from a long loop is compiled with ``ROLLED_STEP_SETTINGS`` (its C++
+    wrapper built at -O1, apart from its kernels); a step that is not rolled is not.
+    """
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    import torch._inductor
+
+    settings = []
+
+    def recording_compile(graph, example_inputs, options=None):  # as torch._inductor.compile
+        settings.append(options)
+        return graph
+
+    monkeypatch.setattr(torch._inductor, "compile", recording_compile)
+    loss = chain_loss(4, compile="inductor")
+    loss.step_program.roll_above = 0 if rolled else None
+    for _ in range(3):
+        loss.loss_and_grads(stiff_chain_model, chain_guide, torch.tensor(0.7), 24)
+    captured = next(iter(loss.step_program._steps.values()))
+    assert (ROLLED_FROM in captured.uncompiled.meta) is rolled
+    assert len(settings) == 1 and settings[0]["cpp_wrapper"] is True
+    assert settings[0].get("cpp_wrapper_build_separate", False) is rolled
 
 
 def test_a_step_the_cpp_wrapper_cannot_compile_gets_inductors_defaults(monkeypatch):
