@@ -1,7 +1,7 @@
 """A captured step compiled by inductor in another process, replayed uncompiled meanwhile.
 
 Inductor's compile of a large captured step takes a while: Fig. 4's 1,000-link chain,
-rolled, compiles in ~35 s on a 2-core CPU, after a ~15 s capture, and a blocking compile
+rolled, compiles in ~31-33 s on a 2-core CPU, after a ~15 s capture, and a blocking compile
 makes training wait for both. Compiled in the background instead, the step is replayed as
 its uncompiled graph (the same operations, one by one: ~105 ms a step for that chain,
 against ~55 ms compiled and ~450 ms eager) until the compiled code is ready, then switches
