@@ -71,14 +71,14 @@ INDUCTOR_SETTINGS = {"max_fusion_buffer_group_pairwise_attempts": 16}
 #: 45-47 s; the toys 0.47x / 0.77x -> 0.40x / 0.62x a compiled hand-written step).
 CPU_STEP_SETTINGS = {"cpp_wrapper": True}
 
-#: inductor settings added for a captured step rolled from a long loop
-#: (:mod:`pyro_tmc.loop_rolling`), unless ``compile_options`` set them: the C++ wrapper (one
-#: function with a statement or more per kernel and library call) built apart from the kernels
-#: and at -O1, the kernels still at -O3. g++ at -O3 spent half its time on that one function:
-#: Fig. 4's 1,000-link chain, g++ 13.1-14.0 s -> 9.1-9.4 s and its compiling call 35.3-37.6 s ->
-#: 30.9-32.6 s, its replay 53.3-62.3 ms -> 53.4-56.6 ms (BENCHMARKS.md, "Issue 19, sixteenth
-#: part"). Not for every step: the toy's replay (0.08 ms) was 2-3% slower.
-ROLLED_STEP_SETTINGS = {"cpp_wrapper_build_separate": True}
+#: inductor settings added for a captured step whose C++ wrapper is built apart
+#: (:func:`pyro_tmc.captured_step.builds_wrapper_apart`), unless ``compile_options`` set them: the
+#: wrapper (one function with a statement or more per kernel and library call) at -O1, the
+#: kernels still at -O3. g++ at -O3 spent half its time on that one function: Fig. 4's 1,000-link
+#: chain, g++ 12.4-14.8 s -> 9.1-9.6 s and its compiling call 33.8-37.6 s -> 30.9-32.6 s, its
+#: replay unchanged (BENCHMARKS.md, "Issue 19, sixteenth part"). At -O1 each call costs a little
+#: more: the HMM of 200 steps replayed 7% slower (2.48-2.59 -> 2.70-2.71 ms).
+WRAPPER_APART_SETTINGS = {"cpp_wrapper_build_separate": True}
 
 #: plans kept per loss: a model whose plan changes every step stops being traced after this many
 MAX_PLANS = 16
@@ -470,7 +470,7 @@ def uses_cuda_graphs(options: dict) -> bool:
 
 
 def compiled_step_graph(
-    graph: torch.fx.GraphModule, options: dict, background: bool = False, rolled: bool = False
+    graph: torch.fx.GraphModule, options: dict, background: bool = False, wrapper_apart: bool = False
 ) -> Callable:
     """
     Inductor's compile of a captured step's graph, made from the graph itself
@@ -483,15 +483,15 @@ def compiled_step_graph(
     48-53 s, and 83 s against 70 s at 1,000 links). The graph holds its own
     backward, so it is compiled for inference; it must be called without grad.
     CUDA graphs (a ``mode`` such as ``"reduce-overhead"``) and another backend
-    go through ``torch.compile``. A step ``rolled`` from a long loop also gets
-    :data:`ROLLED_STEP_SETTINGS`.
+    go through ``torch.compile``. With ``wrapper_apart``, the settings also have
+    :data:`WRAPPER_APART_SETTINGS`.
     """
     keywords = compile_keywords(options)
     settings = keywords.get("options") or {}
     if keywords.get("backend", "inductor") != "inductor" or settings.get("triton.cudagraphs", False):
         return compiled_keeping_validation(graph, options)
-    if rolled:
-        settings = {**_available(ROLLED_STEP_SETTINGS), **settings}
+    if wrapper_apart:
+        settings = {**_available(WRAPPER_APART_SETTINGS), **settings}
     if background:
         return BackgroundCompile(graph, settings, compile_captured_graph)
     compiled: Optional[Callable] = None

@@ -637,15 +637,22 @@ def test_a_cpu_step_is_compiled_with_the_cpp_wrapper_unless_told_otherwise(monke
     assert len(settings) == 1 and settings[0]["cpp_wrapper"] is expected
 
 
-@pytest.mark.parametrize("rolled", [False, True])
-def test_a_rolled_step_builds_its_cpp_wrapper_apart_from_its_kernels(monkeypatch, rolled):
+@pytest.mark.parametrize(
+    "roll_above, mean_size, expected",
+    [(0, 1, True), (0, 2**30, False), (None, 1, False)],
+    ids=["rolled-large", "rolled-small", "not-rolled"],
+)
+def test_a_long_step_of_large_ops_builds_its_wrapper_apart(monkeypatch, roll_above, mean_size, expected):
     """
-    A step rolled from a long loop is compiled with ``ROLLED_STEP_SETTINGS`` (its C++
-    wrapper built at -O1, apart from its kernels); a step that is not rolled is not.
+    A step rolled from a long loop whose operations average at least ``WRAPPER_APART_MEAN_SIZE``
+    elements is compiled with ``WRAPPER_APART_SETTINGS`` (its C++ wrapper built at -O1, apart
+    from its kernels); a rolled step of smaller operations, or a step that is not rolled, is not.
     """
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
     import torch._inductor
+
+    import pyro_tmc.captured_step
 
     settings = []
 
@@ -654,14 +661,44 @@ def test_a_rolled_step_builds_its_cpp_wrapper_apart_from_its_kernels(monkeypatch
         return graph
 
     monkeypatch.setattr(torch._inductor, "compile", recording_compile)
+    monkeypatch.setattr(pyro_tmc.captured_step, "WRAPPER_APART_MEAN_SIZE", mean_size)
     loss = chain_loss(4, compile="inductor")
-    loss.step_program.roll_above = 0 if rolled else None
+    loss.step_program.roll_above = roll_above
     for _ in range(3):
         loss.loss_and_grads(stiff_chain_model, chain_guide, torch.tensor(0.7), 24)
     captured = next(iter(loss.step_program._steps.values()))
-    assert (ROLLED_FROM in captured.uncompiled.meta) is rolled
+    assert (ROLLED_FROM in captured.uncompiled.meta) is (roll_above is not None)
     assert len(settings) == 1 and settings[0]["cpp_wrapper"] is True
-    assert settings[0].get("cpp_wrapper_build_separate", False) is rolled
+    assert settings[0].get("cpp_wrapper_build_separate", False) is expected
+
+
+def test_a_wrapper_built_apart_replays_the_eager_step(monkeypatch):
+    """A rolled stiff chain compiled with its C++ wrapper built apart replays the eager step."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    import torch._inductor
+
+    import pyro_tmc.captured_step
+
+    compile_for_real, settings = torch._inductor.compile, []
+
+    def recording_compile(graph, example_inputs, options=None):
+        settings.append(options)
+        return compile_for_real(graph, example_inputs, options=options)
+
+    monkeypatch.setattr(torch._inductor, "compile", recording_compile)
+    monkeypatch.setattr(pyro_tmc.captured_step, "WRAPPER_APART_MEAN_SIZE", 1)
+
+    def make_loss(**kwargs):
+        loss = chain_loss(8, **kwargs)
+        loss.step_program.roll_above = 0
+        return loss
+
+    replayed, eager = _replay_and_eager(
+        make_loss, stiff_chain_model, chain_guide, (torch.tensor(0.7), 12), mode="inductor"
+    )
+    _assert_same(replayed, eager, rtol=1e-4)
+    assert [options.get("cpp_wrapper_build_separate") for options in settings] == [True]
 
 
 def test_a_step_the_cpp_wrapper_cannot_compile_gets_inductors_defaults(monkeypatch):
