@@ -617,20 +617,26 @@ def test_inductors_python_wrapper_replays_the_eager_step():
     _assert_same(replayed, eager, rtol=1e-4)
 
 
+def _recorded_inductor_settings(monkeypatch, compile_for_real: bool = False) -> list:
+    """Each later ``torch._inductor.compile`` call's settings; the graph replays uncompiled unless told."""
+    import torch._inductor
+
+    compile_inductor, settings = torch._inductor.compile, []
+
+    def recording_compile(graph, example_inputs, options=None):
+        settings.append(options)
+        return compile_inductor(graph, example_inputs, options=options) if compile_for_real else graph
+
+    monkeypatch.setattr(torch._inductor, "compile", recording_compile)
+    return settings
+
+
 @pytest.mark.parametrize("options, expected", [(None, True), ({"options": {"cpp_wrapper": False}}, False)])
 def test_a_cpu_step_is_compiled_with_the_cpp_wrapper_unless_told_otherwise(monkeypatch, options, expected):
     """A captured CPU step gets inductor's C++ wrapper by default; ``compile_options`` overrides it."""
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
-    import torch._inductor
-
-    settings = []
-
-    def recording_compile(graph, example_inputs, options=None):  # as torch._inductor.compile
-        settings.append(options)
-        return graph  # replays uncompiled: only the settings matter here
-
-    monkeypatch.setattr(torch._inductor, "compile", recording_compile)
+    settings = _recorded_inductor_settings(monkeypatch)  # replays uncompiled: only the settings matter here
     loss = TMC_ELBO(num_samples=4, max_plate_nesting=1, compile="inductor", compile_options=options)
     for _ in range(3):
         loss.loss_and_grads(toy_model, toy_guide, torch.randn(6))
@@ -650,18 +656,8 @@ def test_a_long_step_of_large_ops_builds_its_wrapper_apart(monkeypatch, roll_abo
     """
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
-    import torch._inductor
-
-    import pyro_tmc.captured_step
-
-    settings = []
-
-    def recording_compile(graph, example_inputs, options=None):  # as torch._inductor.compile
-        settings.append(options)
-        return graph
-
-    monkeypatch.setattr(torch._inductor, "compile", recording_compile)
-    monkeypatch.setattr(pyro_tmc.captured_step, "WRAPPER_APART_MEAN_SIZE", mean_size)
+    settings = _recorded_inductor_settings(monkeypatch)
+    monkeypatch.setattr("pyro_tmc.captured_step.WRAPPER_APART_MEAN_SIZE", mean_size)
     loss = chain_loss(4, compile="inductor")
     loss.step_program.roll_above = roll_above
     for _ in range(3):
@@ -676,18 +672,8 @@ def test_a_wrapper_built_apart_replays_the_eager_step(monkeypatch):
     """A rolled stiff chain compiled with its C++ wrapper built apart replays the eager step."""
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
-    import torch._inductor
-
-    import pyro_tmc.captured_step
-
-    compile_for_real, settings = torch._inductor.compile, []
-
-    def recording_compile(graph, example_inputs, options=None):
-        settings.append(options)
-        return compile_for_real(graph, example_inputs, options=options)
-
-    monkeypatch.setattr(torch._inductor, "compile", recording_compile)
-    monkeypatch.setattr(pyro_tmc.captured_step, "WRAPPER_APART_MEAN_SIZE", 1)
+    settings = _recorded_inductor_settings(monkeypatch, compile_for_real=True)
+    monkeypatch.setattr("pyro_tmc.captured_step.WRAPPER_APART_MEAN_SIZE", 1)
 
     def make_loss(**kwargs):
         loss = chain_loss(8, **kwargs)
