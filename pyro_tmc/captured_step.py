@@ -306,6 +306,7 @@ def capture_step(
     num_params = len(params)
     recorded: List[list] = []
     own_backward: List[bool] = []  # whether the step's backward must be traced as autograd runs it
+    marks: List[GradModeMarks] = []
 
     def run_loss(*inputs: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         leaves = list(inputs[:num_params])  # the parameters: the gradient is taken with respect to them
@@ -323,7 +324,8 @@ def capture_step(
         return loss, underflow
 
     def forward(*inputs: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        with GradModeMarks(), HookWatch() as hooks:
+        marks.append(GradModeMarks())
+        with marks[-1], HookWatch() as hooks:
             loss, underflow = run_loss(*inputs)
         own_backward.append(hooks.hooked or (loss.requires_grad and custom_backward(loss) is not None))
         return loss, underflow
@@ -342,7 +344,8 @@ def capture_step(
             program = _rolled(whole, inputs, None if roll_above is None else 3 * roll_above, batch_draws)
             return Capture(program, whole, recorded[0])
     except Exception as error:  # any failure: the eager step is always right
-        raise GraphFallback(_fallback_reason(error)) from error
+        read_a_value = any(mark.read_a_value for mark in marks)
+        raise GraphFallback(_fallback_reason(error, read_a_value)) from error
 
 
 class Capture(NamedTuple):
@@ -426,8 +429,15 @@ def _write_code(graph: torch.fx.GraphModule) -> None:
             module.real_recompile()
 
 
-def _fallback_reason(error: Exception) -> str:
-    """Why tracing failed, in the user's terms where the tracer's message is about its own."""
+def _fallback_reason(error: Exception, read_a_value: bool = False) -> str:
+    """
+    Why tracing failed, in the user's terms where the tracer's message is about its own.
+
+    :param bool read_a_value: whether the step read a tensor's value as a Python number
+        before it failed (:class:`~pyro_tmc.forward_trace.GradModeMarks`): the tracer then
+        fails later, on the symbol it gave for that number, with a message about something
+        else (an index that is a ``SymInt``; a site named ``"x_u0"`` that the model lacks).
+    """
     message = f"{type(error).__name__}: {error}"
     if "convert all Tensors to FakeTensors" in message:
         return (
@@ -436,8 +446,12 @@ def _fallback_reason(error: Exception) -> str:
             "an nn.Module whose parameters are not the param store's (pyro.module under a name "
             f"that another module registered first). Tracer: {message}"
         )
-    if "data-dependent" in message or "DataDependent" in message:
-        return f"the step branches on, or reads, a tensor's value (e.g. .item() or an if). Tracer: {message}"
+    if "data-dependent" in message or "DataDependent" in message or read_a_value:
+        return (
+            "the step branches on, or reads, a tensor's value (e.g. .item() or an if; a tensor "
+            "formatted into a site name, as the indices of a subsampled pyro.plate iterated in Python "
+            f"are). Tracer: {message}"
+        )
     return message
 
 

@@ -48,10 +48,16 @@ class GradModeMarks(TorchDispatchMode):
         super().__init__()
         self.graph = None
         self.last: Optional[Node] = None  # the graph's last node after the previous operation
+        #: whether the step read a tensor's value as a Python number (``.item()``, ``int(t)``, a
+        #: tensor formatted into a site name): traced, that number is a symbol, and a trace that
+        #: then fails most likely fails for it
+        self.read_a_value = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.read_a_value = True
         if self.graph is None:
             self.graph = get_proxy_mode().tracer.graph
         without_grad = not torch.is_grad_enabled() and not isinstance(func, torch._ops.HigherOrderOperator)

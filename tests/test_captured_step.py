@@ -248,6 +248,41 @@ def test_what_cannot_be_captured_runs_eagerly_with_one_warning(model):
     assert loss.program.traces == 1  # a key that runs eagerly keeps the compiled estimate
 
 
+def subsampled_names_model(data):
+    for i in pyro.plate("data", len(data), subsample_size=3):  # i: a tensor index, new each step
+        z = pyro.sample(f"z_{i}", dist.Normal(0.0, 1.0))
+        pyro.sample(f"x_{i}", dist.Normal(z, 1.0), obs=data[i])
+
+
+def subsampled_names_guide(data):
+    loc = pyro.param("loc", torch.zeros(len(data)))
+    for i in pyro.plate("data", len(data), subsample_size=3):
+        pyro.sample(f"z_{i}", dist.Normal(loc[i], 1.0))
+
+
+def test_a_step_that_reads_a_value_says_so():
+    """
+    Site names made from a subsampled plate's indices: the step reads their values.
+    Traced, each is a symbol, and the trace fails on something else (an index that is a
+    SymInt); the one warning still names the value read, and the step runs eagerly.
+    """
+    pyro.clear_param_store()
+    data = torch.randn(6)
+    loss = TMC_ELBO(num_samples=4, max_plate_nesting=0, compile="graph")
+    eager = TMC_ELBO(num_samples=4, max_plate_nesting=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for seed in range(3):
+            pyro.set_rng_seed(seed)
+            value = loss.loss_and_grads(subsampled_names_model, subsampled_names_guide, data)
+            pyro.set_rng_seed(seed)
+            assert value == pytest.approx(eager.loss(subsampled_names_model, subsampled_names_guide, data))
+    fallbacks = [str(w.message) for w in caught if "could not capture" in str(w.message)]
+    assert len(fallbacks) == 1
+    assert "reads, a tensor's value" in fallbacks[0] and "subsampled pyro.plate" in fallbacks[0]
+    assert loss.step_program.captures == 0
+
+
 def test_the_eager_steps_of_a_captured_key_trace_no_estimate_program():
     """
     A captured key's few eager steps (its first, its capture, its checks) compute the
