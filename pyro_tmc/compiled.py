@@ -41,7 +41,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch.distributions import Distribution
-from torch.distributions.transforms import Transform
+from torch.distributions.transforms import Transform, _InverseTransform  # t.inv: holds t, nothing else
 
 from pyro.poutine import Trace
 
@@ -142,7 +142,7 @@ class _Flattener:
         if _copied_field_by_field(obj):
             self.key.append(kind)
             copy = object.__new__(kind)
-            copy.__dict__.update({k: self.walk(v) for k, v in vars(obj).items() if k not in _NOT_PLAN})
+            copy.__dict__.update({k: self.walk(v) for k, v in vars(obj).items() if _in_plan(obj, k)})
             return copy
         # Anything else is kept as it is, and the plan is this very object: a new one
         # (say, a callable made afresh each step) is a new plan, traced again, never a
@@ -164,9 +164,20 @@ def _copied_field_by_field(obj) -> bool:
 
 
 #: fields of those objects that are not part of the plan: validation (a graph never
-#: validates, see checks.validate_samples), and a transform's weak reference to its inverse
+#: validates, see checks.validate_samples), and a transform's reference to its inverse
 #: (rebuilt on demand)
 _NOT_PLAN = frozenset(["_validate_args", "_inv"])
+
+
+def _in_plan(obj, field: str) -> bool:
+    """
+    Whether a copied object's field is part of the plan. An inverse transform (``t.inv``)
+    is the exception to :data:`_NOT_PLAN`: its ``_inv`` is the transform it inverts, all
+    it holds. A transform's ``_inv`` is otherwise a weak reference to its inverse, or (a
+    composed transform's) the inverse itself, which refers back to it.
+    """
+    return field not in _NOT_PLAN or (field == "_inv" and isinstance(obj, _InverseTransform))
+
 
 #: immutable values that go into the key as they are
 _ATOMS = frozenset([type(None), bool, int, float, str, torch.dtype, torch.device, torch.Size])
@@ -196,8 +207,8 @@ def _fill(obj, inputs: List[torch.Tensor]):
         return {k: _fill(v, inputs) for k, v in obj.items()}
     if _copied_field_by_field(obj):
         copy = object.__new__(type(obj))
-        copy.__dict__.update({k: _fill(v, inputs) for k, v in vars(obj).items() if k not in _NOT_PLAN})
-        if isinstance(copy, Transform):
+        copy.__dict__.update({k: _fill(v, inputs) for k, v in vars(obj).items() if _in_plan(obj, k)})
+        if isinstance(copy, Transform) and not isinstance(copy, _InverseTransform):
             copy._inv = None
         if isinstance(copy, Distribution):
             # a support check branches on values: it runs eagerly instead (checks.validate_samples)
@@ -285,10 +296,12 @@ def trace_graph(flat: FlatDraw, detach_guide_proposals: bool) -> torch.fx.GraphM
     from torch.fx.experimental.proxy_tensor import make_fx
 
     function = _estimate_function(flat, detach_guide_proposals)
-    check_no_custom_backward(function, flat.tensors)
     try:
+        check_no_custom_backward(function, flat.tensors)
         graph = make_fx(function, tracing_mode="fake")(*flat.tensors)
-    except Exception as error:  # any failure: the eager path is always right
+    except GraphFallback:
+        raise
+    except Exception as error:  # any failure, the rebuilt draw's eager run included: the eager path is right
         raise GraphFallback(f"{type(error).__name__}: {error}") from error
     constants = [node.target for node in graph.graph.nodes if node.op == "get_attr"]
     if constants:

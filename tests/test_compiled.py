@@ -488,3 +488,31 @@ def test_loss_with_a_program_pickles(mode):
     assert copy.program.traces == loss.program.traces == 1
     copy.differentiable_loss(toy_model, toy_guide, x).backward()
     assert copy.program.traces == 2  # its own trace; the original's cache is untouched
+
+
+def inverse_transform_guide(x):
+    """A proposal through inverse transforms (``t.inv``), as normalizing flows and
+    ``AutoRegressiveMessenger`` build them: an inverse transform holds the transform it inverts."""
+    loc = pyro.param("loc", torch.tensor(0.3))
+    scale = pyro.param("scale", torch.tensor(1.5), constraint=dist.constraints.positive)
+    inverse = dist.transforms.AffineTransform(loc, 2.0).inv
+    composed = dist.transforms.ComposeTransform([inverse, dist.transforms.AffineTransform(0.0, scale)])
+    pyro.sample("theta", dist.TransformedDistribution(dist.Normal(x.new_zeros(()), 1.0), [composed]))
+
+
+def test_an_inverse_transform_in_the_guide_is_kept():
+    def model(x):
+        theta = pyro.sample("theta", dist.Normal(x.new_zeros(()), 1.0))
+        with pyro.plate("data", x.shape[-1], dim=-1):
+            pyro.sample("x", dist.Normal(theta, 1.0), obs=x)
+
+    pyro.clear_param_store()
+    x = torch.randn(5)
+    eager, program = TMC_ELBO(4, 1), TMC_ELBO(4, 1, compile="graph")
+    _loss_and_grads(eager, model, inverse_transform_guide, (x,), 0)
+    for seed in (1, 2):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # traced, no fallback
+            result = _loss_and_grads(program, model, inverse_transform_guide, (x,), seed)
+        _assert_same(_loss_and_grads(eager, model, inverse_transform_guide, (x,), seed), result)
+    assert program.program.traces == 1
