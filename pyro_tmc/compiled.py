@@ -427,6 +427,8 @@ class EstimateProgram:
             return None
         self.traces += 1
         if self.mode == "inductor":
+            if compile_keywords(self.options).get("backend", "inductor") == "inductor":
+                graph = with_written_destinations_materialized(graph)
             return compiled_keeping_validation(graph, self.options)
         return graph
 
@@ -501,6 +503,8 @@ def compiled_step_graph(
     """
     keywords = compile_keywords(options)
     settings = keywords.get("options") or {}
+    if keywords.get("backend", "inductor") == "inductor":
+        graph = with_written_destinations_materialized(graph)
     if keywords.get("backend", "inductor") != "inductor" or settings.get("triton.cudagraphs", False):
         return compiled_keeping_validation(graph, options)
     if wrapper_apart:
@@ -519,6 +523,51 @@ def compiled_step_graph(
         return compiled(*inputs)
 
     return run
+
+
+#: operations that return a copy of their first operand with some entries written: inductor
+#: (torch 2.13) writes them through a broadcast operand's layout, so that every row of an
+#: ``expand`` shares one set of entries (``index_put`` on ``zeros(4).expand(2, 4)`` put row 0's
+#: values into row 1 too, and ``accumulate=True`` added them up)
+_WRITES_INTO_A_COPY = (
+    torch.ops.aten.index_put.default,
+    torch.ops.aten.index_add.default,
+    torch.ops.aten.index_copy.default,
+)
+
+
+def with_written_destinations_materialized(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """
+    The graph with a contiguous ``clone`` before each of :data:`_WRITES_INTO_A_COPY` whose
+    first operand is broadcast (a stride of 0 along a dim of more than one entry): what the
+    eager operation does anyway (it copies that operand before writing), made explicit so
+    that inductor does not write through the broadcast. Loop rolling makes such operands:
+    a ``zeros`` shared by every step of a loop is expanded along the stacked dim, and the
+    gradients scattered into it by ``index_put`` (Fig. 4-like chains under ``TMC_RWS``:
+    a parameter's gradient came out doubled in places). Other graphs come back as they are.
+    """
+    changed = False
+    for node in list(graph.graph.nodes):
+        if node.op != "call_function" or node.target not in _WRITES_INTO_A_COPY:
+            continue
+        destination = node.args[0]
+        value = destination.meta.get("val") if isinstance(destination, torch.fx.Node) else None
+        if not isinstance(value, torch.Tensor) or not _broadcast(value):
+            continue
+        with graph.graph.inserting_before(node):
+            copy = graph.graph.call_function(
+                torch.ops.aten.clone.default, (destination,), {"memory_format": torch.contiguous_format}
+            )
+        copy.meta["val"] = value.clone(memory_format=torch.contiguous_format)
+        node.replace_input_with(destination, copy)
+        changed = True
+    if changed:
+        graph.recompile()
+    return graph
+
+
+def _broadcast(tensor: torch.Tensor) -> bool:
+    return any(stride == 0 and size > 1 for size, stride in zip(tensor.shape, tensor.stride()))
 
 
 def compile_captured_graph(

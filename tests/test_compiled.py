@@ -516,3 +516,33 @@ def test_an_inverse_transform_in_the_guide_is_kept():
             result = _loss_and_grads(program, model, inverse_transform_guide, (x,), seed)
         _assert_same(_loss_and_grads(eager, model, inverse_transform_guide, (x,), seed), result)
     assert program.program.traces == 1
+
+
+def _writes_into_broadcast_zeros(x, rows, columns, values):
+    """A loop-rolled step's pattern: a shared ``zeros`` expanded along the stacked dim, written into."""
+    zeros = torch.ops.aten.expand.default(torch.ops.aten.new_zeros.default(x, [4]), [2, 4])
+    put = torch.ops.aten.index_put.default(zeros, [rows, columns], values, True)
+    overwritten = torch.ops.aten.index_put.default(zeros, [rows, columns], values, False)
+    added = torch.ops.aten.index_add.default(zeros, 1, columns[:2], x[:4].reshape(2, 2))
+    copied = torch.ops.aten.index_copy.default(zeros, 1, columns[:1], x[:2].reshape(2, 1))
+    return put * 1.0, overwritten * 1.0, added * 1.0, copied * 1.0
+
+
+def test_inductor_writes_into_each_row_of_a_broadcast_destination():
+    """
+    Inductor (torch 2.13) wrote ``index_put``, ``index_add`` and ``index_copy`` into an expanded
+    operand through its broadcast layout: every row got every row's values. The fuzzer found it
+    as a doubled gradient under ``TMC_RWS`` (seed 1724, general family, inductor oracle).
+    """
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from pyro_tmc.compiled import compiled_step_graph
+
+    x = torch.randn(6)
+    rows, columns, values = torch.tensor([0, 1, 1]), torch.tensor([2, 2, 3]), torch.tensor([1.0, 10.0, 100.0])
+    graph = make_fx(_writes_into_broadcast_zeros)(x, rows, columns, values)
+    expected = _writes_into_broadcast_zeros(x, rows, columns, values)
+    with torch.no_grad():
+        compiled = compiled_step_graph(graph, {})(x, rows, columns, values)
+    for want, got in zip(expected, compiled):
+        assert torch.equal(got, want), (want, got)
