@@ -1,0 +1,143 @@
+"""
+Pyro's own tests as a check of the captured step: a pytest plugin.
+
+Every ``Trace_ELBO``, ``TraceGraph_ELBO``, ``TraceEnum_ELBO`` and
+``TraceMeanField_ELBO`` that a test builds becomes a *shadow* loss. Each of its
+``loss_and_grads`` calls runs ``TMC_ELBO`` eagerly and ``TMC_ELBO(compile=MODE)``
+from the same random state, four times (so that the captured step replays), and
+writes JSON lines: each call compared (``"compared"``), each round where loss or
+gradients differ (``"mismatch"``), and each fallback warning. The test itself then
+goes on with the eager loss: its own assertions are about Pyro's losses, so its
+pass or fail says nothing here; the log does.
+
+Run it on a checkout of Pyro's tests (``fetch`` pyro-ppl/pyro, then ``git archive
+1.9.1 tests``), from that checkout's root::
+
+    PYTHONPATH=/path/to/pyro_tmc/tools python -m pytest -p pyro_tests_shadow \\
+        tests/infer/test_valid_models.py -q -p no:cacheprovider
+
+Settings (environment): ``SHADOW_MODE`` (``graph``, the default, or ``inductor``),
+``SHADOW_LOG`` (the JSON lines file; default ``pyro_tests_shadow.jsonl``).
+"""
+
+import json
+import os
+import warnings
+from typing import Dict, List, Optional
+
+import torch
+
+import pyro
+import pyro.infer
+
+from pyro_tmc import TMC_ELBO
+
+MODE = os.environ.get("SHADOW_MODE", "graph")
+LOG = os.environ.get("SHADOW_LOG", "pyro_tests_shadow.jsonl")
+RTOL, ATOL = 1e-4, 1e-5  # float32 steps, values of order 1-100
+ROUNDS = 4  # per call: the first captures, the later ones replay
+COMPARED_CALLS = 6  # per loss: a test that trains on takes the captured step alone after these
+SHADOWED = ("Trace_ELBO", "TraceGraph_ELBO", "TraceEnum_ELBO", "TraceMeanField_ELBO")
+_test: Dict[str, Optional[str]] = {"id": None}
+
+
+def _take_grads() -> Dict[str, Optional[torch.Tensor]]:
+    """The param store's gradients, which are then cleared."""
+    grads = {}
+    for name, param in pyro.get_param_store().named_parameters():
+        grads[name] = None if param.grad is None else param.grad.detach().clone()
+        param.grad = None
+    return grads
+
+
+def _differences(eager_loss, eager_grads, captured_loss, captured_grads) -> List[str]:
+    found = []
+    a, b = torch.tensor(float(eager_loss)), torch.tensor(float(captured_loss))
+    if not (torch.isclose(a, b, rtol=RTOL, atol=ATOL) or (a.isnan() and b.isnan())):
+        found.append(f"loss {float(eager_loss)} vs {float(captured_loss)}")
+    for name in set(eager_grads) | set(captured_grads):
+        a, b = eager_grads.get(name), captured_grads.get(name)
+        if a is None and b is None:
+            continue
+        a = torch.zeros_like(b) if a is None else a
+        b = torch.zeros_like(a) if b is None else b
+        if not torch.allclose(a, b, rtol=RTOL, atol=ATOL, equal_nan=True):
+            found.append(f"grad {name}: max |diff| {(a - b).abs().max().item():.3g}")
+    return found
+
+
+def _log(**record) -> None:
+    record["test"] = _test["id"]
+    with open(LOG, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+class ShadowELBO(pyro.infer.ELBO):
+    """An eager ``TMC_ELBO`` and a captured one, compared on every call (see the module note)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        settings = dict(
+            num_samples=3,
+            max_plate_nesting=kwargs.get("max_plate_nesting", float("inf")),
+            num_particles=kwargs.get("num_particles", 1),
+            vectorize_particles=kwargs.get("vectorize_particles", False),
+        )
+        self.eager = TMC_ELBO(**settings)
+        self.captured = TMC_ELBO(compile=MODE, **settings)
+        self.calls = 0
+        super().__init__(max_plate_nesting=settings["max_plate_nesting"])
+
+    def _get_trace(self, *args, **kwargs):
+        raise NotImplementedError
+
+    def loss(self, model, guide, *args, **kwargs):
+        return self.eager.loss(model, guide, *args, **kwargs)
+
+    def differentiable_loss(self, model, guide, *args, **kwargs):
+        return self.eager.differentiable_loss(model, guide, *args, **kwargs)
+
+    def loss_and_grads(self, model, guide, *args, **kwargs):
+        self.calls += 1
+        if self.calls > COMPARED_CALLS:
+            return self.captured.loss_and_grads(model, guide, *args, **kwargs)
+        if self.calls == 1:
+            # lazy set-up draws (an AutoGuide's initial values, the max_plate_nesting guess)
+            # before the random state is kept: else the two losses' first draws differ
+            self.eager.loss(model, guide, *args, **kwargs)
+            self.captured.loss(model, guide, *args, **kwargs)
+        state = pyro.util.get_rng_state()
+        _take_grads()
+        fallbacks = set()
+        for round_ in range(ROUNDS):
+            pyro.util.set_rng_state(state)
+            try:
+                eager_loss = self.eager.loss_and_grads(model, guide, *args, **kwargs)
+            except Exception as error:  # the model is invalid for TMC: the test sees the error
+                _log(kind="eager_error", error=f"{type(error).__name__}: {str(error)[:300]}")
+                raise
+            eager_grads = _take_grads()
+            pyro.util.set_rng_state(state)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    captured_loss = self.captured.loss_and_grads(model, guide, *args, **kwargs)
+                except Exception as error:  # the eager step worked: a defect of the captured step
+                    _log(kind="captured_error", error=f"{type(error).__name__}: {str(error)[:300]}")
+                    raise
+            fallbacks |= {str(w.message)[:300] for w in caught if "pyro_tmc could not" in str(w.message)}
+            found = _differences(eager_loss, eager_grads, captured_loss, _take_grads())
+            if found:
+                _log(kind="mismatch", round=round_, differences=found[:5])
+        _log(kind="compared", fallbacks=sorted(fallbacks))
+        pyro.util.set_rng_state(state)
+        return self.eager.loss_and_grads(model, guide, *args, **kwargs)
+
+
+def pytest_configure(config) -> None:
+    # before the test modules import them: their parametrize lists then hold the shadows
+    for name in SHADOWED:
+        setattr(pyro.infer, name, type(name, (ShadowELBO,), {}))
+
+
+def pytest_runtest_setup(item) -> None:
+    _test["id"] = item.nodeid
