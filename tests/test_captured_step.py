@@ -227,23 +227,30 @@ def value_branch_model(x):
         pyro.sample("x", dist.Normal(z, scale), obs=x)
 
 
+def _fallbacks_of_eager_steps(model, guide, data, max_plate_nesting, steps):
+    """
+    ``steps`` steps of a ``compile="graph"`` loss, each checked against the eager loss on
+    the same draws; returns the loss and its fallback warnings.
+    """
+    loss = TMC_ELBO(num_samples=4, max_plate_nesting=max_plate_nesting, compile="graph")
+    eager = TMC_ELBO(num_samples=4, max_plate_nesting=max_plate_nesting)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for seed in range(steps):
+            pyro.set_rng_seed(seed)
+            value = loss.loss_and_grads(model, guide, data)
+            pyro.set_rng_seed(seed)
+            assert value == pytest.approx(eager.loss(model, guide, data), rel=1e-6)
+    return loss, [str(w.message) for w in caught if "could not capture" in str(w.message)]
+
+
 @pytest.mark.parametrize("model", [closure_model, value_branch_model], ids=["closure", "branch"])
 def test_what_cannot_be_captured_runs_eagerly_with_one_warning(model):
     pyro.clear_param_store()
-    x = torch.randn(6)
-    loss = TMC_ELBO(num_samples=4, max_plate_nesting=1, compile="graph")
-    eager = TMC_ELBO(num_samples=4, max_plate_nesting=1)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for seed in range(4):
-            pyro.set_rng_seed(seed)
-            value = loss.loss_and_grads(model, toy_guide, x)
-            pyro.set_rng_seed(seed)
-            assert value == pytest.approx(eager.loss(model, toy_guide, x), rel=1e-6)
-    fallbacks = [w for w in caught if "could not capture" in str(w.message)]
+    loss, fallbacks = _fallbacks_of_eager_steps(model, toy_guide, torch.randn(6), 1, steps=4)
     assert len(fallbacks) == 1
     reason = "neither a parameter" if model is closure_model else "branches on"
-    assert reason in str(fallbacks[0].message)
+    assert reason in fallbacks[0]
     assert loss.step_program.captures == 0
     assert loss.program.traces == 1  # a key that runs eagerly keeps the compiled estimate
 
@@ -267,17 +274,8 @@ def test_a_step_that_reads_a_value_says_so():
     SymInt); the one warning still names the value read, and the step runs eagerly.
     """
     pyro.clear_param_store()
-    data = torch.randn(6)
-    loss = TMC_ELBO(num_samples=4, max_plate_nesting=0, compile="graph")
-    eager = TMC_ELBO(num_samples=4, max_plate_nesting=0)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for seed in range(3):
-            pyro.set_rng_seed(seed)
-            value = loss.loss_and_grads(subsampled_names_model, subsampled_names_guide, data)
-            pyro.set_rng_seed(seed)
-            assert value == pytest.approx(eager.loss(subsampled_names_model, subsampled_names_guide, data))
-    fallbacks = [str(w.message) for w in caught if "could not capture" in str(w.message)]
+    model, guide = subsampled_names_model, subsampled_names_guide
+    loss, fallbacks = _fallbacks_of_eager_steps(model, guide, torch.randn(6), 0, steps=3)
     assert len(fallbacks) == 1
     assert "reads, a tensor's value" in fallbacks[0] and "subsampled pyro.plate" in fallbacks[0]
     assert loss.step_program.captures == 0
