@@ -208,7 +208,7 @@ def _fill(obj, inputs: List[torch.Tensor]):
     if _copied_field_by_field(obj):
         copy = object.__new__(type(obj))
         copy.__dict__.update({k: _fill(v, inputs) for k, v in vars(obj).items() if _in_plan(obj, k)})
-        if isinstance(copy, Transform) and not isinstance(copy, _InverseTransform):
+        if isinstance(copy, Transform) and not _in_plan(copy, "_inv"):
             copy._inv = None
         if isinstance(copy, Distribution):
             # a support check branches on values: it runs eagerly instead (checks.validate_samples)
@@ -427,9 +427,7 @@ class EstimateProgram:
             return None
         self.traces += 1
         if self.mode == "inductor":
-            if compile_keywords(self.options).get("backend", "inductor") == "inductor":
-                graph = with_written_destinations_materialized(graph)
-            return compiled_keeping_validation(graph, self.options)
+            return compiled_keeping_validation(_for_inductor(graph, self.options), self.options)
         return graph
 
 
@@ -501,10 +499,9 @@ def compiled_step_graph(
     go through ``torch.compile``. With ``wrapper_apart``, the settings also have
     :data:`WRAPPER_APART_SETTINGS`.
     """
+    graph = _for_inductor(graph, options)
     keywords = compile_keywords(options)
     settings = keywords.get("options") or {}
-    if keywords.get("backend", "inductor") == "inductor":
-        graph = with_written_destinations_materialized(graph)
     if keywords.get("backend", "inductor") != "inductor" or settings.get("triton.cudagraphs", False):
         return compiled_keeping_validation(graph, options)
     if wrapper_apart:
@@ -534,6 +531,13 @@ _WRITES_INTO_A_COPY = (
     torch.ops.aten.index_add.default,
     torch.ops.aten.index_copy.default,
 )
+
+
+def _for_inductor(graph: torch.fx.GraphModule, options: dict) -> torch.fx.GraphModule:
+    """The graph as inductor must see it (:func:`with_written_destinations_materialized`); else as it is."""
+    if compile_keywords(options).get("backend", "inductor") != "inductor":
+        return graph
+    return with_written_destinations_materialized(graph)
 
 
 def with_written_destinations_materialized(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
