@@ -6,7 +6,10 @@ Every ``Trace_ELBO``, ``TraceGraph_ELBO``, ``TraceEnum_ELBO`` and
 ``loss_and_grads`` calls runs ``TMC_ELBO`` eagerly and ``TMC_ELBO(compile=MODE)``
 from the same random state, four times (so that the captured step replays), and
 writes JSON lines: each call compared (``"compared"``), each round where loss or
-gradients differ (``"mismatch"``), and each fallback warning. The test itself then
+gradients differ (``"mismatch"``), and each fallback warning. ``loss`` and
+``differentiable_loss`` calls are compared the same way (the latter with the gradient
+of the returned loss for each parameter): under ``compile=`` they run the estimate
+program, not the captured step. The test itself then
 goes on with the eager loss: its own assertions are about Pyro's losses, so its
 pass or fail says nothing here; the log does.
 
@@ -20,6 +23,7 @@ Settings (environment): ``SHADOW_MODE`` (``graph``, the default, or ``inductor``
 ``SHADOW_LOG`` (the JSON lines file; default ``pyro_tests_shadow.jsonl``).
 """
 
+import importlib
 import json
 import os
 import warnings
@@ -37,7 +41,13 @@ LOG = os.environ.get("SHADOW_LOG", "pyro_tests_shadow.jsonl")
 RTOL, ATOL = 1e-4, 1e-5  # float32 steps, values of order 1-100
 ROUNDS = 4  # per call: the first captures, the later ones replay
 COMPARED_CALLS = 6  # per loss: a test that trains on takes the captured step alone after these
-SHADOWED = ("Trace_ELBO", "TraceGraph_ELBO", "TraceEnum_ELBO", "TraceMeanField_ELBO")
+#: each shadowed loss, and the module that defines it (tests import from either place)
+SHADOWED = {
+    "Trace_ELBO": "pyro.infer.trace_elbo",
+    "TraceGraph_ELBO": "pyro.infer.tracegraph_elbo",
+    "TraceEnum_ELBO": "pyro.infer.traceenum_elbo",
+    "TraceMeanField_ELBO": "pyro.infer.trace_mean_field_elbo",
+}
 _test: Dict[str, Optional[str]] = {"id": None}
 
 
@@ -79,7 +89,9 @@ class ShadowELBO(pyro.infer.ELBO):
         settings = dict(
             num_samples=3,
             max_plate_nesting=kwargs.get("max_plate_nesting", float("inf")),
-            num_particles=kwargs.get("num_particles", 1),
+            # Pyro's tests take up to 10,000 particles for their Monte Carlo checks; two
+            # exercise the particle loop (or vector) as well
+            num_particles=min(kwargs.get("num_particles", 1), 2),
             vectorize_particles=kwargs.get("vectorize_particles", False),
         )
         self.eager = TMC_ELBO(**settings)
@@ -91,15 +103,22 @@ class ShadowELBO(pyro.infer.ELBO):
         raise NotImplementedError
 
     def loss(self, model, guide, *args, **kwargs):
-        return self.eager.loss(model, guide, *args, **kwargs)
+        return self._shadowed("loss", model, guide, args, kwargs)
 
     def differentiable_loss(self, model, guide, *args, **kwargs):
-        return self.eager.differentiable_loss(model, guide, *args, **kwargs)
+        return self._shadowed("differentiable_loss", model, guide, args, kwargs)
 
     def loss_and_grads(self, model, guide, *args, **kwargs):
+        return self._shadowed("loss_and_grads", model, guide, args, kwargs)
+
+    def _shadowed(self, method: str, model, guide, args, kwargs):
+        """
+        ``method`` of both losses from the same random state, ``ROUNDS`` times, compared
+        (value and gradients); then the eager loss's, from that state, for the test.
+        """
         self.calls += 1
         if self.calls > COMPARED_CALLS:
-            return self.captured.loss_and_grads(model, guide, *args, **kwargs)
+            return getattr(self.captured, method)(model, guide, *args, **kwargs)
         if self.calls == 1:
             # lazy set-up draws (an AutoGuide's initial values, the max_plate_nesting guess)
             # before the random state is kept: else the two losses' first draws differ
@@ -111,32 +130,48 @@ class ShadowELBO(pyro.infer.ELBO):
         for round_ in range(ROUNDS):
             pyro.util.set_rng_state(state)
             try:
-                eager_loss = self.eager.loss_and_grads(model, guide, *args, **kwargs)
+                eager = _value_and_grads(self.eager, method, model, guide, args, kwargs)
             except Exception as error:  # the model is invalid for TMC: the test sees the error
-                _log(kind="eager_error", error=f"{type(error).__name__}: {str(error)[:300]}")
+                _log(kind="eager_error", method=method, error=f"{type(error).__name__}: {str(error)[:300]}")
                 raise
-            eager_grads = _take_grads()
             pyro.util.set_rng_state(state)
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 try:
-                    captured_loss = self.captured.loss_and_grads(model, guide, *args, **kwargs)
-                except Exception as error:  # the eager step worked: a defect of the captured step
-                    _log(kind="captured_error", error=f"{type(error).__name__}: {str(error)[:300]}")
+                    captured = _value_and_grads(self.captured, method, model, guide, args, kwargs)
+                except Exception as error:  # the eager call worked: a defect of the captured one
+                    _log(kind="captured_error", method=method, error=f"{type(error).__name__}: {error}"[:330])
                     raise
             fallbacks |= {str(w.message)[:300] for w in caught if "pyro_tmc could not" in str(w.message)}
-            found = _differences(eager_loss, eager_grads, captured_loss, _take_grads())
+            found = _differences(*eager, *captured)
             if found:
-                _log(kind="mismatch", round=round_, differences=found[:5])
-        _log(kind="compared", fallbacks=sorted(fallbacks))
+                _log(kind="mismatch", method=method, round=round_, differences=found[:5])
+        _log(kind="compared", method=method, fallbacks=sorted(fallbacks))
         pyro.util.set_rng_state(state)
-        return self.eager.loss_and_grads(model, guide, *args, **kwargs)
+        return getattr(self.eager, method)(model, guide, *args, **kwargs)
+
+
+def _value_and_grads(loss, method: str, model, guide, args, kwargs):
+    """
+    ``loss.method(...)``'s value and the gradients it gives each parameter: those
+    ``loss_and_grads`` accumulates, or those of ``differentiable_loss``'s result.
+    """
+    value = getattr(loss, method)(model, guide, *args, **kwargs)
+    if method == "loss_and_grads":
+        return value, _take_grads()
+    if method == "loss" or not (torch.is_tensor(value) and value.requires_grad):
+        return float(value), {}
+    named = [(name, p) for name, p in pyro.get_param_store().named_parameters() if p.requires_grad]
+    grads = torch.autograd.grad(value, [p for _, p in named], allow_unused=True)
+    return value.item(), {name: g for (name, _), g in zip(named, grads) if g is not None}
 
 
 def pytest_configure(config) -> None:
     # before the test modules import them: their parametrize lists then hold the shadows
-    for name in SHADOWED:
-        setattr(pyro.infer, name, type(name, (ShadowELBO,), {}))
+    for name, module in SHADOWED.items():
+        shadow = type(name, (ShadowELBO,), {})
+        setattr(pyro.infer, name, shadow)
+        setattr(importlib.import_module(module), name, shadow)
 
 
 def pytest_runtest_setup(item) -> None:
