@@ -388,13 +388,30 @@ tensordot = Tensordot(einsum)
 
 def _exact_matmul_entries(x: torch.Tensor, y: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``log sum_j exp(x[..., i, j] + y[..., j, k])`` at the entries ``index`` (rows ``(batch..., i, k)``)."""
-    batch = torch.broadcast_shapes(x.shape[:-2], y.shape[:-2])
-    x = x.expand(batch + x.shape[-2:])
-    y = y.expand(batch + y.shape[-2:]).transpose(-1, -2)
-    where = tuple(index[:, d] for d in range(len(batch)))
-    rows = x[where + (index[:, -2],)]
-    columns = y[where + (index[:, -1],)]
+    batch = index[:, :-2].unbind(-1)
+    rows = _gather_rows(x, batch, index[:, -2])
+    columns = _gather_rows(y.transpose(-1, -2), batch, index[:, -1])
     return exact_logsumexp(rows + columns, [-1])
+
+
+def _gather_rows(matrices: torch.Tensor, batch: Sequence[torch.Tensor], row: torch.Tensor) -> torch.Tensor:
+    """
+    ``matrices[batch..., row, :]`` broadcast over the batch dims, one row per index:
+    by ``index_select`` on the rows of ``matrices`` itself (neither expanded nor
+    advanced-indexed: on the CPU, advanced indexing of a ``(499, 32, 32)`` batch at
+    64k rows takes 8.4 ms, ``index_select`` 0.46 ms, and its backward is
+    ``index_add``, not an accumulating ``index_put``).
+
+    :param batch: the output's batch index of each row, one tensor per batch dim
+        (``matrices`` may have fewer batch dims, or size 1 in some, as it broadcasts).
+    """
+    shape = matrices.shape[:-2]
+    flat, stride = row, matrices.size(-2)
+    for size, index in zip(reversed(shape), reversed(batch)):
+        if size != 1:
+            flat = flat + index * stride
+        stride *= size
+    return matrices.reshape(-1, matrices.size(-1)).index_select(0, flat)
 
 
 def _graph_log_matmul_exp(
@@ -520,12 +537,12 @@ def _entries_branch(
     coordinates = torch.nonzero_static(low.reshape(-1, rows, columns), size=capacity, fill_value=-1)
     matrix, row, column = coordinates.clamp(min=0).unbind(-1)  # unused slots read entry 0, dropped below
     index = torch.where(coordinates[:, 0] >= 0, (matrix * rows + row) * columns + column, size)
-    # advanced indexing, so that the gradients come back laid out as the operands (cond needs that);
-    # y's columns as rows, so that each entry reads contiguous terms
-    batch = shape[:-2]
-    x_rows = x.expand(batch + x.shape[-2:]).reshape(-1, rows, x.size(-1))[matrix, row]
-    y_t = y.expand(batch + y.shape[-2:]).reshape(-1, y.size(-2), columns).transpose(-1, -2).contiguous()
-    y_columns = y_t[matrix, column]
+    # the batch index, unflattened, as each operand broadcasts; y's columns as rows, so that each
+    # entry reads contiguous terms. The gathers' gradients come back laid out as the operands (a
+    # cond needs that)
+    batch = torch.unravel_index(matrix, shape[:-2]) if len(shape) > 2 else ()
+    x_rows = _gather_rows(x, batch, row)
+    y_columns = _gather_rows(y.transpose(-1, -2), batch, column)
     exact = exact_logsumexp(x_rows + y_columns, [-1])
     padded = torch.cat([fast, fast.new_zeros(1)])
     return (padded.index_put((index,), exact)[:size],)

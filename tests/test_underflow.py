@@ -127,6 +127,38 @@ def test_log_matmul_exp_broadcast_batch():
     assert_close_log(log_matmul_exp(x, y), expected, 2000.0)
 
 
+def test_repairs_read_the_rows_of_broadcast_batches():
+    """
+    Both repairs (an eager product's, and a graph's up to its capacity) gather each
+    underflowed entry's row of ``x`` and column of ``y`` from operands whose batch dims
+    broadcast (``(2, 1)`` against ``(20,)``): exact in value and gradient.
+    """
+    generator = torch.Generator().manual_seed(2)
+    x, y = chain_links(20, 16, 0.02, generator)
+    # batches (2, 1) and (20,), not square: 6,720 entries, above the default capacity (4,096), so
+    # that the graph repairs entries alone
+    x, y = x.reshape(2, 10, 16, 16)[:, :1, :12], y[:, :, :14]
+
+    def oracle(a, b):
+        return torch.logsumexp(a[..., :, :, None] + b[..., None, :, :], -2)
+
+    def in_graph(a, b):
+        with deferred_underflow_checks(repair_in_graph=True) as flags:
+            value = log_matmul_exp(a, b)
+        assert len(flags) == 1 and not flags[0]  # entries alone, within the capacity: not flagged
+        return value
+
+    wide = (x.double() - x.double().amax(-1, keepdim=True)).exp() @ (
+        y.double() - y.double().amax(-2, keepdim=True)
+    ).exp()
+    # float64 alone loses some entries, in nearly every matrix of the output's batch
+    underflowed = (wide < log_einsum.underflow_floor(torch.float64, 16)).sum((-2, -1))
+    assert (underflowed > 0).sum() >= 30
+    for product in (log_matmul_exp, in_graph):
+        assert_close_log(product(x, y), oracle(x.double(), y.double()), 2000.0)
+        check_gradients(product, oracle, [x, y], generator)
+
+
 @pytest.mark.parametrize("length", [2, 7, 12])
 def test_sequential_log_matmul_exp_wide_spread(length):
     generator = torch.Generator().manual_seed(length)
