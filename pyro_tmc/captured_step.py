@@ -48,7 +48,10 @@ replays as about 2,300 operations, not 33,000.
 Parameters are found by name in the param store. ``nn.Module`` parameters
 registered by ``pyro.module`` are there too, but a plain module reads its own
 tensors: during capture they are swapped for the graph's inputs in every module
-that holds them, and put back after.
+that holds them, and put back after. The buffers of those modules (and of the
+modules around them) are graph inputs too, read from their modules at every step
+(:func:`buffers_beside`); a step that writes into one (``BatchNorm`` in training
+mode) runs eagerly, with one warning.
 """
 
 import contextlib
@@ -224,20 +227,55 @@ def modules_holding(tensors: List[torch.Tensor]) -> List[Tuple[torch.nn.Module, 
     return holders
 
 
-class _ModulesHolding:
-    """A context in which the modules' parameters are the given tensors; the originals come back on exit."""
+def buffers_beside(holders: List[Tuple[torch.nn.Module, str, int]]) -> List[Tuple[torch.nn.Module, str]]:
+    """
+    ``(module, name)`` of each buffer of the modules around the step's parameters: of
+    every module that holds one of them, or contains one that does, and of all their
+    submodules (a normalizing flow's masks and permutation, as ``AutoIAFNormal``'s
+    network holds them). A buffer is not a parameter, so the param store does not
+    hold it; the graph takes each as an input, read from its module at every step.
+    """
+    holding = {id(module) for module, _, _ in holders}
+    if not holding:
+        return []
+    found: Dict[Tuple[int, str], Tuple[torch.nn.Module, str]] = {}
+    for obj in gc.get_objects():
+        if issubclass(type(obj), torch.nn.Module) and any(id(m) in holding for m in obj.modules()):
+            for module in obj.modules():
+                for name, buffer in module._buffers.items():
+                    if buffer is not None:
+                        found[(id(module), name)] = (module, name)
+    return list(found.values())
 
-    def __init__(self, holders, tensors: List[torch.Tensor]) -> None:
+
+def current_buffers(sources: List[Tuple[torch.nn.Module, str]]) -> List[torch.Tensor]:
+    """The buffers named by :func:`buffers_beside`, as their modules hold them now."""
+    return [module._buffers[name] for module, name in sources]
+
+
+class _ModulesHolding:
+    """
+    A context in which the modules' parameters, and the buffers named by
+    :func:`buffers_beside`, are the given tensors; the originals come back on exit.
+    """
+
+    def __init__(self, holders, tensors: List[torch.Tensor], buffers=(), buffer_tensors=()) -> None:
         self.holders, self.tensors = holders, tensors
+        self.buffers, self.buffer_tensors = list(buffers), list(buffer_tensors)
 
     def __enter__(self) -> None:
         self.saved = [module._parameters[attribute] for module, attribute, _ in self.holders]
+        self.saved_buffers = current_buffers(self.buffers)
         for module, attribute, index in self.holders:
             module._parameters[attribute] = self.tensors[index]
+        for (module, name), tensor in zip(self.buffers, self.buffer_tensors):
+            module._buffers[name] = tensor
 
     def __exit__(self, *exc) -> None:
         for (module, attribute, _), original in zip(self.holders, self.saved):
             module._parameters[attribute] = original
+        for (module, name), original in zip(self.buffers, self.saved_buffers):
+            module._buffers[name] = original
 
 
 # -- one captured step ----------------------------------------------------------------
@@ -262,6 +300,16 @@ class CapturedStep:
     redone: int = 0
     #: the (rolled) graph that inductor compiled: replayed instead if compiling fails
     uncompiled: Optional[Callable] = None
+    #: the modules' buffers the graph takes after the arguments (:func:`buffers_beside`), and their specs
+    buffers: List[Tuple[torch.nn.Module, str]] = dataclasses.field(default_factory=list)
+    buffer_specs: List[tuple] = dataclasses.field(default_factory=list)
+
+    def inputs_after_params(self, arguments: List[torch.Tensor]) -> Optional[List[torch.Tensor]]:
+        """The tensor arguments, then the buffers as they are now; ``None`` if a buffer's spec changed."""
+        buffers = current_buffers(self.buffers)
+        if [_spec(b) for b in buffers] != self.buffer_specs:
+            return None
+        return arguments + buffers
 
 
 def _spec(tensor: torch.Tensor) -> tuple:
@@ -303,16 +351,18 @@ def capture_step(
 
     params = unconstrained_parameters(param_names)
     holders = modules_holding(params)
-    num_params = len(params)
+    buffers = buffers_beside(holders)
+    num_params, num_arguments = len(params), len(arguments)
     recorded: List[list] = []
     own_backward: List[bool] = []  # whether the step's backward must be traced as autograd runs it
     marks: List[GradModeMarks] = []
 
     def run_loss(*inputs: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         leaves = list(inputs[:num_params])  # the parameters: the gradient is taken with respect to them
-        args, kwargs = rebuild(list(inputs[num_params:]))
+        args, kwargs = rebuild(list(inputs[num_params : num_params + num_arguments]))
+        held = _ModulesHolding(holders, leaves, buffers, inputs[num_params + num_arguments :])
         recorder = StructureRecorder()
-        with param_store_holding(dict(zip(param_names, leaves))), _ModulesHolding(holders, leaves):
+        with param_store_holding(dict(zip(param_names, leaves))), held:
             with (
                 pyro.validation_enabled(False),
                 deferred_underflow_checks(repair_in_graph=True, repair_counts=repair_counts) as flags,
@@ -330,19 +380,22 @@ def capture_step(
         own_backward.append(hooks.hooked or (loss.requires_grad and custom_backward(loss) is not None))
         return loss, underflow
 
-    inputs = params + arguments
+    inputs = params + arguments + current_buffers(buffers)
     try:
         # a lazy graph writes its Python code at its first call, not at each recompile: a long
         # step's graph is rewritten by rolling and may never run (tens of thousands of operations)
         with _use_lazy_graph_module(True):
             forward_graph = make_fx(forward, tracing_mode="fake")(*as_leaves(inputs, num_params))
+            _check_buffers_read_only(forward_graph, buffers, num_params + num_arguments)
             if not own_backward[-1]:
                 program = _backward_of(forward_graph, inputs, num_params, roll_above, batch_draws)
-                return Capture(program, forward_graph, recorded[0])
+                return Capture(program, forward_graph, recorded[0], buffers)
             # its own backward, as autograd runs it: about three operations per forward one
             whole = derive_backward(run_loss, inputs, num_params)
             program = _rolled(whole, inputs, None if roll_above is None else 3 * roll_above, batch_draws)
-            return Capture(program, whole, recorded[0])
+            return Capture(program, whole, recorded[0], buffers)
+    except GraphFallback:
+        raise
     except Exception as error:  # any failure: the eager step is always right
         read_a_value = any(mark.read_a_value for mark in marks)
         raise GraphFallback(_fallback_reason(error, read_a_value)) from error
@@ -357,6 +410,47 @@ class Capture(NamedTuple):
     unrolled: torch.fx.GraphModule
     #: the structure of the step's sample and param statements (:class:`StructureRecorder`)
     structure: List[tuple]
+    #: the modules' buffers that the graphs take after the arguments (:func:`buffers_beside`)
+    buffers: List[Tuple[torch.nn.Module, str]] = []
+
+
+def _check_buffers_read_only(
+    forward: torch.fx.GraphModule, buffers: List[Tuple[torch.nn.Module, str]], first: int
+) -> None:
+    """
+    Refuse a step that writes into a module's buffer (``BatchNorm``'s running statistics
+    in training mode): a replay redone eagerly, or replayed at a check, would write twice.
+
+    :param int first: the position of the first buffer among the graph's inputs.
+    :raises GraphFallback: naming the buffer.
+    """
+    placeholders = [node for node in forward.graph.nodes if node.op == "placeholder"][first:]
+    names = {node: f"{type(module).__name__}.{name}" for node, (module, name) in zip(placeholders, buffers)}
+    if not names:
+        return
+    for node in forward.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None:
+            continue
+        for argument, value in zip(schema.arguments, node.args):
+            if argument.alias_info is not None and argument.alias_info.is_write and _base(value) in names:
+                raise GraphFallback(
+                    f"the step writes into the buffer {names[_base(value)]} (as BatchNorm's running "
+                    "statistics in training mode do); a captured step only reads buffers. Put the "
+                    "module in eval() mode, or train with compile=None"
+                )
+
+
+def _base(value):
+    """The graph node a view chain starts from (``value`` itself if it is not a view)."""
+    while isinstance(value, torch.fx.Node) and value.op == "call_function":
+        schema = getattr(value.target, "_schema", None)
+        if schema is None or not schema.arguments or schema.arguments[0].alias_info is None:
+            return value
+        if schema.arguments[0].alias_info.is_write:
+            return value
+        value = value.args[0]
+    return value
 
 
 def _backward_of(
@@ -565,11 +659,12 @@ class StepProgram:
         recorder = StructureRecorder()
         with recorder:
             loss = eager_step(args, kwargs)
-        changed = recorder.record != captured.structure
+        inputs = captured.inputs_after_params(arguments)
+        changed = recorder.record != captured.structure or inputs is None
         if not changed and [_spec(p) for p in params] == captured.param_specs:
             _set_rng_state(rng_state)
             with torch.no_grad():
-                replayed, underflow, *_ = captured.graph(*params, *arguments)
+                replayed, underflow, *_ = captured.graph(*params, *inputs)
             after = _rng_state(params + arguments)
             changed = not bool(underflow) and not _close(replayed.item(), loss)
             _set_rng_state(after)
@@ -600,7 +695,7 @@ class StepProgram:
         params = unconstrained_parameters(names)  # the store keeps these tensors through the capture
         devices = {t.device.type for t in [*arguments, *params]}
         try:
-            program, unrolled, structure = capture_step(
+            program, unrolled, structure, buffers = capture_step(
                 differentiable_loss,
                 names,
                 arguments,
@@ -622,6 +717,7 @@ class StepProgram:
         program.recompile()
         specs = [_spec(p) for p in params]
         captured = CapturedStep(program, unrolled, names, specs, structure, [eager_seconds])
+        captured.buffers, captured.buffer_specs = buffers, [_spec(b) for b in current_buffers(buffers)]
         if self.mode == "inductor" and not self._too_large(program):
             _write_code(program)
             captured.program = compiled_step_graph(
@@ -650,7 +746,8 @@ class StepProgram:
 
     def _replay(self, captured: CapturedStep, arguments, eager_step, args, kwargs) -> float:
         params = [pyro.param(name).unconstrained() for name in captured.param_names]  # SVI sees them
-        if [_spec(p) for p in params] != captured.param_specs:
+        inputs = captured.inputs_after_params(arguments)
+        if [_spec(p) for p in params] != captured.param_specs or inputs is None:
             self._steps.pop(next(k for k, v in self._steps.items() if v is captured))
             return eager_step(args, kwargs)
         rng_state = _rng_state(params + arguments)
@@ -660,7 +757,7 @@ class StepProgram:
             # the graph holds the step's backward as operations: replayed, it needs no autograd (a
             # cond run under autograd would trace its branches again at every call, ~7 ms each)
             with torch.no_grad():
-                return captured.program(*params, *arguments)
+                return captured.program(*params, *inputs)
 
         try:
             loss, underflow, *grads = run()

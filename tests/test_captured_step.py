@@ -128,6 +128,105 @@ def test_nn_module_parameters_are_inputs():
     assert type(encoder.weight) is torch.nn.Parameter and not encoder.weight.grad_fn  # put back
 
 
+class MaskedEncoder(torch.nn.Module):
+    """A module with a buffer (a mask, as MADE's layers hold theirs) and, optionally, a BatchNorm."""
+
+    def __init__(self, batch_norm: bool = False) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 3)
+        self.register_buffer("mask", torch.tensor([1.0, 0.0, 1.0]))
+        self.norm = torch.nn.BatchNorm1d(3) if batch_norm else None
+
+    def forward(self, x):
+        hidden = self.linear(x) * self.mask
+        return hidden if self.norm is None else self.norm(hidden)
+
+
+def masked_model(x):
+    with pyro.plate("data", x.shape[0]):
+        z = pyro.sample("z", dist.Normal(torch.zeros(3), 1.0).to_event(1))
+        pyro.sample(
+            "x", dist.Normal(z.sum(-1, keepdim=True).expand(z.shape[:-1] + (4,)), 1.0).to_event(1), obs=x
+        )
+
+
+def masked_guide(encoder):
+    def guide(x):
+        pyro.module("encoder", encoder)
+        loc = encoder(x)
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("z", dist.Normal(loc, 0.5).to_event(1))
+
+    return guide
+
+
+def _steps_side_by_side(encoder, x, steps, change=None, compile="graph"):
+    """Each step eagerly and with ``compile``, from the same random state: their losses and gradients."""
+    guide = masked_guide(encoder)
+    eager = TMC_ELBO(num_samples=3, max_plate_nesting=1)
+    captured = TMC_ELBO(num_samples=3, max_plate_nesting=1, compile=compile)
+    if compile is not None:
+        captured.step_program.choose_faster = False  # replay every step after the capture
+    results = []
+    for step in range(steps):
+        if change is not None:
+            change(step)
+        params = _params()
+        state = pyro.util.get_rng_state()
+        eager_step = _one_step(lambda: eager.loss_and_grads(masked_model, guide, x), params)
+        pyro.util.set_rng_state(state)
+        results.append(
+            (_one_step(lambda: captured.loss_and_grads(masked_model, guide, x), params), eager_step)
+        )
+    return captured, results
+
+
+def test_a_modules_buffers_are_inputs_read_at_every_step():
+    """
+    A module's buffer is not in the param store, but the graph takes it as an input,
+    read from the module at every step: a buffer changed in place, or replaced by
+    another of its shape, changes the replayed step as it changes the eager one.
+    """
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    encoder, x = MaskedEncoder(), torch.randn(5, 4)
+
+    def change(step):
+        if step == 3:
+            encoder.mask.fill_(0.5)
+        if step == 5:
+            encoder.mask = torch.tensor([0.0, 2.0, 1.0])
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no fallback
+        captured, results = _steps_side_by_side(encoder, x, 7, change)
+    assert captured.step_program.captures == 1 and captured.step_program.replays == 5
+    for replayed, eager in results:
+        _assert_same(replayed, eager)
+    assert results[3][1][0] != results[2][1][0] and results[5][1][0] != results[4][1][0]
+
+
+def test_a_step_that_writes_a_buffer_runs_eagerly_and_says_so():
+    """BatchNorm in training mode updates its running statistics: so the step runs eagerly."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    x = torch.randn(5, 4)
+    encoders = [MaskedEncoder(batch_norm=True) for _ in range(2)]
+    encoders[1].load_state_dict(encoders[0].state_dict())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        captured, _ = _steps_side_by_side(encoders[0], x, 4)
+    reasons = [str(w.message) for w in caught if "pyro_tmc could not" in str(w.message)]
+    assert len(reasons) == 1 and "writes into the buffer BatchNorm1d" in reasons[0] and "eval()" in reasons[0]
+    assert captured.step_program.captures == 0
+    # the running statistics moved as under two eager losses: the capture's trace wrote nothing
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    _steps_side_by_side(encoders[1], x, 4, compile=None)
+    assert encoders[0].norm.num_batches_tracked == encoders[1].norm.num_batches_tracked > 0
+    assert torch.equal(encoders[0].norm.running_mean, encoders[1].norm.running_mean)
+
+
 def test_svi_trains_and_reproduces_with_captured_steps():
     """Under SVI unchanged: the optimiser sees the parameters; a seed reproduces the run."""
 
