@@ -36,6 +36,7 @@ new one is a new plan rather than a stale constant.
 import contextlib
 import contextvars
 import dataclasses
+import itertools
 import warnings
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -106,6 +107,9 @@ class _Flattener:
         self.tensors: List[torch.Tensor] = []
         self._index: Dict[int, int] = {}
         self.key: List[Any] = []
+        #: ``(site name, object)`` for each object kept as it is (a failed trace names them)
+        self.kept: List[Tuple[Optional[str], Any]] = []
+        self._site: Optional[str] = None
 
     def leaf(self, tensor: torch.Tensor) -> _Leaf:
         index = self._index.get(id(tensor))
@@ -148,6 +152,7 @@ class _Flattener:
         # (say, a callable made afresh each step) is a new plan, traced again, never a
         # stale constant.
         self.key.append(("opaque", kind, id(obj)))
+        self.kept.append((self._site, obj))
         return obj
 
     def walk_site(self, site: dict) -> dict:
@@ -155,7 +160,11 @@ class _Flattener:
         Every field of a sample site: what the factor code reads of it is then in
         the key, whatever it reads, with no list of fields to keep in step with it.
         """
-        return {field: self.walk(value) for field, value in site.items()}
+        self._site = site.get("name")
+        try:
+            return {field: self.walk(value) for field, value in site.items()}
+        finally:
+            self._site = None
 
 
 def _copied_field_by_field(obj) -> bool:
@@ -227,6 +236,8 @@ class FlatDraw:
     source_template: dict
     key: tuple
     tensor_attributes: List[dict]
+    #: ``(site name, object)`` for each object the flattening kept as it is (:class:`_Flattener`)
+    kept: List[Tuple[Optional[str], Any]] = dataclasses.field(default_factory=list)
 
     def traces(self, inputs: List[torch.Tensor]) -> Tuple[Trace, Trace, ScalePlan]:
         """The draw's (model, guide) traces (their sample sites) and scale plan, around ``inputs``."""
@@ -256,7 +267,9 @@ def flatten_draw(draw, sources: Optional[Dict[str, torch.Tensor]], detach_guide_
     source_template = flattener.walk(dict(sources or {}))
     flattener.key.append(("detach", detach_guide_proposals, torch.get_default_dtype()))
     attributes = [_tensor_attributes(t) for t in flattener.tensors]
-    return FlatDraw(flattener.tensors, template, source_template, tuple(flattener.key), attributes)
+    return FlatDraw(
+        flattener.tensors, template, source_template, tuple(flattener.key), attributes, flattener.kept
+    )
 
 
 class GraphFallback(Exception):
@@ -302,7 +315,7 @@ def trace_graph(flat: FlatDraw, detach_guide_proposals: bool) -> torch.fx.GraphM
     except GraphFallback:
         raise
     except Exception as error:  # any failure, the rebuilt draw's eager run included: the eager path is right
-        raise GraphFallback(f"{type(error).__name__}: {error}") from error
+        raise GraphFallback(_trace_failure(error, flat)) from error
     constants = [node.target for node in graph.graph.nodes if node.op == "get_attr"]
     if constants:
         raise GraphFallback(
@@ -310,6 +323,31 @@ def trace_graph(flat: FlatDraw, detach_guide_proposals: bool) -> torch.fx.GraphM
             "a tensor captured by a distribution or closure would be frozen at its first value"
         )
     return graph
+
+
+def _trace_failure(error: Exception, flat: FlatDraw) -> str:
+    """Why tracing the estimate failed: in the user's terms where it read a tensor that is not an input."""
+    message = f"{type(error).__name__}: {error}"
+    if "convert all Tensors to FakeTensors" not in message:
+        return message
+    holders = [
+        f"{type(obj).__name__} at site {site!r}" if site else type(obj).__name__
+        for site, obj in flat.kept
+        if _holds_tensors(obj)
+    ]
+    held_by = f" ({', '.join(dict.fromkeys(holders))})" if holders else ""
+    return (
+        "the estimate reads a tensor that is not one of the draw's: a tensor held by an object that a "
+        f"distribution or transform refers to{held_by}, such as a normalizing flow's nn.Module, or by a "
+        f"closure or global. The estimate is computed eagerly. Tracer: {message}"
+    )
+
+
+def _holds_tensors(obj) -> bool:
+    """Whether ``obj`` is an nn.Module with parameters or buffers, or holds a tensor as an attribute."""
+    if isinstance(obj, torch.nn.Module):
+        return any(True for _ in itertools.chain(obj.parameters(), obj.buffers()))
+    return any(isinstance(value, torch.Tensor) for value in getattr(obj, "__dict__", {}).values())
 
 
 def check_no_custom_backward(function: Callable, tensors: List[torch.Tensor]) -> None:
