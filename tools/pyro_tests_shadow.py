@@ -33,6 +33,7 @@ import torch
 
 import pyro
 import pyro.infer
+import pyro.poutine as poutine
 
 from pyro_tmc import TMC_ELBO
 
@@ -40,6 +41,7 @@ MODE = os.environ.get("SHADOW_MODE", "graph")
 LOG = os.environ.get("SHADOW_LOG", "pyro_tests_shadow.jsonl")
 RTOL, ATOL = 1e-4, 1e-5  # float32 steps, values of order 1-100
 ROUNDS = 4  # per call: the first captures, the later ones replay
+MAX_SITE_SAMPLES = 4  # per site's infer={"num_samples": n} (see ShadowELBO._capped_samples)
 COMPARED_CALLS = 6  # per loss: a test that trains on takes the captured step alone after these
 #: each shadowed loss, and the module that defines it (tests import from either place)
 SHADOWED = {
@@ -97,6 +99,7 @@ class ShadowELBO(pyro.infer.ELBO):
         self.eager = TMC_ELBO(**settings)
         self.captured = TMC_ELBO(compile=MODE, **settings)
         self.calls = 0
+        self._capped: Dict[int, tuple] = {}  # id(model or guide) -> (it, it with num_samples capped)
         super().__init__(max_plate_nesting=settings["max_plate_nesting"])
 
     def _get_trace(self, *args, **kwargs):
@@ -117,6 +120,7 @@ class ShadowELBO(pyro.infer.ELBO):
         (value and gradients); then the eager loss's, from that state, for the test.
         """
         self.calls += 1
+        model, guide = self._capped_samples(model), self._capped_samples(guide)
         if self.calls > COMPARED_CALLS:
             return getattr(self.captured, method)(model, guide, *args, **kwargs)
         if self.calls == 1:
@@ -149,6 +153,22 @@ class ShadowELBO(pyro.infer.ELBO):
         _log(kind="compared", method=method, fallbacks=sorted(fallbacks))
         pyro.util.set_rng_state(state)
         return getattr(self.eager, method)(model, guide, *args, **kwargs)
+
+    def _capped_samples(self, fn):
+        """
+        ``fn`` with each site's ``infer={"num_samples": n}`` capped at ``MAX_SITE_SAMPLES``
+        (Pyro's tests ask up to 20,000, for Monte Carlo checks that say nothing here): the
+        same wrapper each call, since a captured step is keyed by the model's and guide's
+        identity.
+        """
+        if id(fn) not in self._capped:
+            self._capped[id(fn)] = (fn, poutine.infer_config(fn, _cap_num_samples))
+        return self._capped[id(fn)][1]
+
+
+def _cap_num_samples(msg) -> dict:
+    samples = msg["infer"].get("num_samples")
+    return {} if samples is None else {"num_samples": min(samples, MAX_SITE_SAMPLES)}
 
 
 def _value_and_grads(loss, method: str, model, guide, args, kwargs):
