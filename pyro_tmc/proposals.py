@@ -394,7 +394,11 @@ def _place_particle_dim(value, batch_shape, event_shape, target_dim):
         batch.pop(0)
     pad = -target_dim - 1 - len(batch)
     if pad >= 0:
-        return value.reshape((value.shape[0],) + (1,) * pad + tuple(batch) + tuple(event_shape))
+        shape = (value.shape[0],) + (1,) * pad + tuple(batch) + tuple(event_shape)
+        # the sample itself where it already has the shape: a transformed distribution's
+        # log_prob then finds it in its transforms' caches, not inverting them (an
+        # autoregressive flow's inverse is one network pass per dimension)
+        return value if value.shape == shape else value.reshape(shape)
     if batch[target_dim] != 1:
         raise ValueError(
             f"Particle dim {target_dim} collides with batch shape {tuple(batch_shape)}: "
