@@ -182,6 +182,8 @@ def _value_and_grads(loss, method: str, model, guide, args, kwargs):
     if method == "loss" or not (torch.is_tensor(value) and value.requires_grad):
         return float(value), {}
     named = [(name, p) for name, p in pyro.get_param_store().named_parameters() if p.requires_grad]
+    if not named:  # the loss has a gradient, but not for the param store (a tensor of the test's own)
+        return value.item(), {}
     grads = torch.autograd.grad(value, [p for _, p in named], allow_unused=True)
     return value.item(), {name: g for (name, _), g in zip(named, grads) if g is not None}
 
