@@ -433,7 +433,8 @@ def _check_buffers_read_only(
         if node.op != "call_function" or schema is None:
             continue
         for argument, value in zip(schema.arguments, node.args):
-            if argument.alias_info is not None and argument.alias_info.is_write and _base(value) in names:
+            written = argument.alias_info is not None and argument.alias_info.is_write
+            if written and isinstance(value, torch.fx.Node) and _base(value) in names:
                 raise GraphFallback(
                     f"the step writes into the buffer {names[_base(value)]} (as BatchNorm's running "
                     "statistics in training mode do); a captured step only reads buffers. Put the "
