@@ -207,22 +207,31 @@ def closure_model(x):
         pyro.sample("x", ClosureNormal(theta, 1.0), obs=x)
 
 
+def _fallbacks_beside_eager(model, guide, x, nesting: int, method: str, seeds: int) -> list:
+    """
+    ``method`` (``"loss"`` or ``"differentiable_loss"``) under ``compile="graph"`` and
+    eagerly, from the same seeds: equal values; the fallback warnings given.
+    """
+    eager, program = TMC_ELBO(4, nesting), TMC_ELBO(4, nesting, compile="graph")
+    eager.loss(model, guide, x)  # the guide's params and modules are built on first use
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for seed in range(seeds):
+            pyro.set_rng_seed(seed)
+            value = float(getattr(program, method)(model, guide, x))
+            pyro.set_rng_seed(seed)
+            assert value == pytest.approx(float(getattr(eager, method)(model, guide, x)))
+    return [str(w.message) for w in caught if "could not trace" in str(w.message)]
+
+
 def test_untraceable_estimate_falls_back_with_one_warning():
     pyro.clear_param_store()
     x = torch.randn(5)
-    guide = AutoNormal(closure_model)
-    eager, program = TMC_ELBO(4, 1), TMC_ELBO(4, 1, compile="graph")
-    eager.differentiable_loss(closure_model, guide, x)  # the guide's params are drawn on first use
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for seed in range(3):
-            pyro.set_rng_seed(seed)
-            value = program.differentiable_loss(closure_model, guide, x)
-            pyro.set_rng_seed(seed)
-            assert value.item() == pytest.approx(eager.differentiable_loss(closure_model, guide, x).item())
-    fallbacks = [w for w in caught if "could not trace" in str(w.message)]
+    fallbacks = _fallbacks_beside_eager(
+        closure_model, AutoNormal(closure_model), x, 1, "differentiable_loss", 3
+    )
     assert len(fallbacks) == 1
-    assert "reads a tensor that is not one of the draw's" in str(fallbacks[0].message)  # in user terms
+    assert "reads a tensor that is not one of the draw's" in fallbacks[0]  # in user terms
 
 
 def iaf_model(x):
@@ -238,18 +247,8 @@ def test_an_untraceable_estimate_names_the_module_that_holds_the_tensor():
     """
     pyro.clear_param_store()
     x = torch.randn(3)
-    guide = AutoIAFNormal(iaf_model)
-    eager, program = TMC_ELBO(4, 0), TMC_ELBO(4, 0, compile="graph")
-    eager.loss(iaf_model, guide, x)  # the guide's modules are built on first use
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for seed in range(2):
-            pyro.set_rng_seed(seed)
-            value = program.loss(iaf_model, guide, x)
-            pyro.set_rng_seed(seed)
-            assert value == pytest.approx(eager.loss(iaf_model, guide, x))
+    fallbacks = _fallbacks_beside_eager(iaf_model, AutoIAFNormal(iaf_model), x, 0, "loss", 2)
     # (each step builds new transforms, so each is a new plan, traced and failing again)
-    fallbacks = [str(w.message) for w in caught if "could not trace" in str(w.message)]
     assert fallbacks and all("AutoRegressiveNN at site '_AutoIAFNormal_latent'" in f for f in fallbacks)
 
 
