@@ -209,29 +209,36 @@ def unconstrained_parameters(names: List[str]) -> List[torch.Tensor]:
     return [store.get_param(name).unconstrained() for name in names]
 
 
-def modules_holding(tensors: List[torch.Tensor]) -> List[Tuple[torch.nn.Module, str, int]]:
+def live_modules() -> List[torch.nn.Module]:
+    """Every live ``nn.Module``: a scan of live objects, once per capture."""
+    # type(), not isinstance: a weak proxy among the objects would raise, a lazy module warn
+    return [obj for obj in gc.get_objects() if issubclass(type(obj), torch.nn.Module)]
+
+
+def modules_holding(
+    tensors: List[torch.Tensor], modules: List[torch.nn.Module]
+) -> List[Tuple[torch.nn.Module, str, int]]:
     """
-    ``(module, attribute, index)`` for every ``nn.Module`` attribute that holds one of
+    ``(module, attribute, index)`` for every attribute of ``modules`` that holds one of
     ``tensors`` (by identity): where a module registered by ``pyro.module`` reads its
-    parameters, which the param store cannot redirect. A scan of live objects, once
-    per capture.
+    parameters, which the param store cannot redirect.
     """
     index_of = {id(t): i for i, t in enumerate(tensors)}
     holders = []
-    for obj in gc.get_objects():
-        # type(), not isinstance: a weak proxy among the objects would raise, a lazy module warn
-        if issubclass(type(obj), torch.nn.Module):
-            for attribute, value in obj._parameters.items():
-                if value is not None and id(value) in index_of:
-                    holders.append((obj, attribute, index_of[id(value)]))
+    for module in modules:
+        for attribute, value in module._parameters.items():
+            if value is not None and id(value) in index_of:
+                holders.append((module, attribute, index_of[id(value)]))
     return holders
 
 
-def buffers_beside(holders: List[Tuple[torch.nn.Module, str, int]]) -> List[Tuple[torch.nn.Module, str]]:
+def buffers_beside(
+    holders: List[Tuple[torch.nn.Module, str, int]], modules: List[torch.nn.Module]
+) -> List[Tuple[torch.nn.Module, str]]:
     """
     ``(module, name)`` of each buffer of the modules around the step's parameters: of
-    every module that holds one of them, or contains one that does, and of all their
-    submodules (a normalizing flow's masks and permutation, as ``AutoIAFNormal``'s
+    every one of ``modules`` that holds one of them, or contains one that does, and of
+    all their submodules (a normalizing flow's masks and permutation, as ``AutoIAFNormal``'s
     network holds them). A buffer is not a parameter, so the param store does not
     hold it; the graph takes each as an input, read from its module at every step.
     """
@@ -239,9 +246,9 @@ def buffers_beside(holders: List[Tuple[torch.nn.Module, str, int]]) -> List[Tupl
     if not holding:
         return []
     found: Dict[Tuple[int, str], Tuple[torch.nn.Module, str]] = {}
-    for obj in gc.get_objects():
-        if issubclass(type(obj), torch.nn.Module) and any(id(m) in holding for m in obj.modules()):
-            for module in obj.modules():
+    for outer in modules:
+        if any(id(m) in holding for m in outer.modules()):
+            for module in outer.modules():
                 for name, buffer in module._buffers.items():
                     if buffer is not None:
                         found[(id(module), name)] = (module, name)
@@ -350,8 +357,9 @@ def capture_step(
     from torch.fx.experimental.proxy_tensor import make_fx
 
     params = unconstrained_parameters(param_names)
-    holders = modules_holding(params)
-    buffers = buffers_beside(holders)
+    modules = live_modules()
+    holders = modules_holding(params, modules)
+    buffers = buffers_beside(holders, modules)
     num_params, num_arguments = len(params), len(arguments)
     recorded: List[list] = []
     own_backward: List[bool] = []  # whether the step's backward must be traced as autograd runs it
