@@ -227,6 +227,39 @@ def test_a_step_that_writes_a_buffer_runs_eagerly_and_says_so():
     assert torch.equal(encoders[0].norm.running_mean, encoders[1].norm.running_mean)
 
 
+def _flow_model(x):
+    z = pyro.sample("z", dist.Normal(torch.zeros(3), 1.0).to_event(1))
+    pyro.sample("x", dist.Normal(z, 1.0).to_event(1), obs=x)
+
+
+def test_a_flow_guide_is_captured_and_its_stl_step_runs_eagerly():
+    """
+    AutoIAFNormal's network holds its masks and permutation as buffers: graph inputs. Its
+    plain step never inverts the flow, so it is captured and replays the eager step. Under
+    STL, log q is taken with detached parameters, which inverts the flow, and the inverse
+    loops over the permutation's values: that step runs eagerly, with one warning saying so.
+    """
+    from pyro.infer.autoguide import AutoIAFNormal
+
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    x, guide = torch.randn(3), AutoIAFNormal(_flow_model)
+    make_loss = functools.partial(TMC_ELBO, num_samples=4, max_plate_nesting=0)
+    replayed, eager = _replay_and_eager(make_loss, _flow_model, guide, (x,))
+    _assert_same(replayed, eager)
+    network_grads = [grad for name, grad in replayed[1].items() if "arn" in name and grad is not None]
+    assert network_grads and any(grad.abs().sum() > 0 for grad in network_grads)
+
+    stl = make_loss(compile="graph", variance_reduction="stl")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            stl.loss_and_grads(_flow_model, guide, x)
+    reasons = [str(w.message) for w in caught if "could not capture" in str(w.message)]
+    assert len(reasons) == 1 and "reads, a tensor's value" in reasons[0]
+    assert stl.step_program.captures == 0
+
+
 def test_svi_trains_and_reproduces_with_captured_steps():
     """Under SVI unchanged: the optimiser sees the parameters; a seed reproduces the run."""
 
