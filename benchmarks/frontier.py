@@ -300,6 +300,8 @@ class Case:
         self.compile_seconds: Dict[str, str] = {}
         self.failed: Dict[str, str] = {}
         self.notes: List[str] = []
+        #: read after the timing: what each captured step did while it was timed
+        self.reports: List[Callable[[], str]] = []
 
 
 #: pyro_tmc's own cached programs (TMC_ELBO(compile=...)), timed beside its eager path
@@ -361,6 +363,24 @@ def add_captured_step(case: "Case", mode: str, device: str, loss, model, guide, 
 
     name = f"{PYRO_TMC} compile={label or repr(mode)}, whole step"
     _add_compiled_row(case, name, mode, device, step, first_calls=3)
+    if name in case.steps:
+        case.reports.append(lambda: f"{case.title}, {name}: {_what_the_step_did(loss.step_program)}")
+
+
+def _what_the_step_did(program) -> str:
+    """
+    A captured step's counts after its row was timed: a row slower than expected may have
+    run eagerly (an uncompiled replay slower than the eager step gives way to it) or had
+    replays redone eagerly (a stiff chain's products past the graph's repair capacity).
+    """
+    steps = list(program._steps.values())
+    redone = sum(captured.redone for captured in steps)
+    attempts = sum(captured.attempts for captured in steps)
+    eager = sum(captured.program is None for captured in steps)
+    return (
+        f"{program.captures} captures, {program.replays} replays kept, {redone} of {attempts} "
+        f"replays redone eagerly, {eager} of {len(steps)} captured keys running eagerly"
+    )
 
 
 def toy_case(num_data: int, num_samples: int, device: str, compiled: bool) -> Case:
@@ -619,6 +639,7 @@ def median_seconds(
 
 def run_case(case: Case, repeats: int, device: str) -> List[str]:
     seconds = median_seconds(case.steps, repeats, device)
+    case.notes += [report() for report in case.reports]
     best = min((seconds[name] for name in case.careful if name in seconds), default=float("nan"))
     rows = []
     for name in list(case.steps) + list(case.failed):
@@ -721,7 +742,8 @@ def main(argv=None) -> None:
         "overhead": [lambda: toy_case(overhead[0], overhead[1], args.device, compiled)],
         "hmm": [lambda n=n: hmm_case(n, args.device) for n in hmm_lengths],
     }
-    kinds = args.only.split(",") if args.only else list(cases)
+    # by default each case once: chain100 and chain1000 are the chain's two lengths, taken apart
+    kinds = args.only.split(",") if args.only else ["toy", "chain", "overhead", "hmm"]
     cases = [make for kind in kinds for make in cases[kind]]
 
     def write_table() -> None:  # after every case: a run stopped by its limit keeps what it finished
