@@ -77,7 +77,13 @@ from .compiled import (
     warn_fallback,
 )
 from .forward_trace import GradModeMarks, HookWatch, InGradModes, as_leaves, custom_backward, derive_backward
-from .log_einsum import any_flag, counting_repairs, deferred_underflow_checks
+from .log_einsum import (
+    RepairCount,
+    any_flag,
+    counting_repairs,
+    deferred_underflow_checks,
+    merge_repair_counts,
+)
 from .loop_rolling import count_groups, count_operations, roll, rolled_runner
 
 #: keys captured per loss: an argument whose shape changes every step stops being captured after this many
@@ -582,6 +588,9 @@ class StepProgram:
         self._steps: Dict[tuple, CapturedStep] = {}
         self._seen: Dict[tuple, int] = {}  # key -> steps taken
         self._refitted: set = set()  # keys captured again because their repairs were too small
+        #: per key, what its eager steps repaired, merged (:func:`~pyro_tmc.log_einsum.merge_repair_counts`):
+        #: a capture's repairs are sized by all of them, not by its own eager run alone
+        self._repairs: Dict[tuple, List[RepairCount]] = {}
         self.max_inductor_nodes = MAX_INDUCTOR_NODES
         self.roll_above = ROLL_ABOVE
         #: whether a rolled step batches its random draws too: fewer operations, but not the
@@ -600,7 +609,7 @@ class StepProgram:
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)  # graphs do not pickle: a copy captures its own
-        state["_steps"], state["_seen"], state["_refitted"] = {}, {}, set()
+        state["_steps"], state["_seen"], state["_refitted"], state["_repairs"] = {}, {}, set(), {}
         return state
 
     def loss_and_grads(
@@ -626,7 +635,8 @@ class StepProgram:
         # eagerly rather than trace (and compile: 100 s for a 1,000-link chain) an estimate program
         eager_step = _estimating_eagerly(eager_step)
         if count == 0:
-            return eager_step(args, kwargs)  # the first step of a key runs every check
+            with self._counting_repairs(key):
+                return eager_step(args, kwargs)  # the first step of a key runs every check
         if captured is None:
             with _collection_paused():
                 return self._capture(key, differentiable_loss, arguments, rebuild, eager_step, args, kwargs)
@@ -637,7 +647,14 @@ class StepProgram:
             loss = eager_step(args, kwargs)
             captured.eager_seconds.append(time.perf_counter() - start)
             return loss
-        return self._replay(captured, arguments, eager_step, args, kwargs)
+        return self._replay(key, captured, arguments, eager_step, args, kwargs)
+
+    @contextlib.contextmanager
+    def _counting_repairs(self, key: tuple) -> Iterator[None]:
+        """An eager step of ``key``: its repairs join the key's record, which sizes its captures."""
+        with counting_repairs() as counts:
+            yield
+        self._repairs[key] = merge_repair_counts(self._repairs.get(key), counts)
 
     def wait_for_compiles(self) -> None:
         """Block until every compile started in the background (``compile_in_background``) has finished."""
@@ -696,10 +713,11 @@ class StepProgram:
         recorder = StructureRecorder()
         start = time.perf_counter()
         # the parameters this step reads, and how many entries its products repair, from an
-        # eager run (also this step's result)
-        with recorder, counting_repairs() as repair_counts:
+        # eager run (also this step's result), with what the key's earlier eager steps repaired
+        with recorder, self._counting_repairs(key):
             loss = eager_step(args, kwargs)
         eager_seconds = time.perf_counter() - start
+        repair_counts = self._repairs[key]
         names = recorder.param_names
         params = unconstrained_parameters(names)  # the store keeps these tensors through the capture
         devices = {t.device.type for t in [*arguments, *params]}
@@ -753,7 +771,7 @@ class StepProgram:
         )
         return True
 
-    def _replay(self, captured: CapturedStep, arguments, eager_step, args, kwargs) -> float:
+    def _replay(self, key: tuple, captured: CapturedStep, arguments, eager_step, args, kwargs) -> float:
         params = [pyro.param(name).unconstrained() for name in captured.param_names]  # SVI sees them
         inputs = captured.inputs_after_params(arguments)
         if [_spec(p) for p in params] != captured.param_specs or inputs is None:
@@ -780,11 +798,14 @@ class StepProgram:
         captured.attempts += 1
         if bool(underflow) or not torch.isfinite(loss):
             _set_rng_state(rng_state)  # the same draw, eagerly: products repaired, a bad site named
-            value = eager_step(args, kwargs)
+            with self._counting_repairs(key):  # a capture again is sized to this step too
+                value = eager_step(args, kwargs)
             captured.redone += bool(underflow)
-            self._give_up_if_mostly_redone(captured)
-            if captured.eager_seconds is not None and self.choose_faster:
-                self._settle(captured, time.perf_counter() - start)  # a redo costs both
+            # not timed against the eager step (:meth:`_settle`): a replay redone says how stiff the
+            # draw was, not how fast a replay is, and a key mostly redone is captured again, sized
+            # to its redone steps too. Judged by three redone replays, Fig. 4's 1,000-link chain
+            # ran eagerly for good, at 4.5 times a replay's time
+            self._give_up_if_mostly_redone(key, captured)
             return value
         self.replays += 1
         for param, grad in zip(params, grads):
@@ -796,15 +817,16 @@ class StepProgram:
             self._settle(captured, time.perf_counter() - start)
         return value
 
-    def _give_up_if_mostly_redone(self, captured: CapturedStep) -> None:
+    def _give_up_if_mostly_redone(self, key: tuple, captured: CapturedStep) -> None:
         """
         A key whose replays mostly underflow (a stiff chain) is captured once more, its
-        repairs sized to the step then (the chain may have grown stiffer since the
-        capture); if that happens again, it runs eagerly: each step would be paid twice.
+        repairs sized to the step then and to the key's earlier eager steps, the redone
+        ones among them (the chain may have grown stiffer since the capture, or the one
+        draw it was sized by was a lucky one); if that happens again, it runs eagerly:
+        each step would be paid twice.
         """
         if captured.attempts < TIMED_REPLAYS + 1 or 2 * captured.redone <= captured.attempts:
             return
-        key = next(k for k, v in self._steps.items() if v is captured)
         if key not in self._refitted:
             self._refitted.add(key)
             del self._steps[key]  # the next step captures it again
@@ -825,7 +847,8 @@ class StepProgram:
         one by one, backward included, is slower than eager for a model whose step is
         tensor work with little Python (a long chain of stacked densities). After
         :data:`TIMED_REPLAYS` replays, alternating with eager steps, the key keeps the
-        faster of the two (by their fastest times, which noise inflates least).
+        faster of the two (by their fastest times, which noise inflates least). A replay
+        redone eagerly is not timed (:meth:`_give_up_if_mostly_redone` deals with those).
         """
         captured.replay_seconds.append(seconds)
         if len(captured.replay_seconds) < TIMED_REPLAYS:

@@ -32,7 +32,8 @@ in float64 (in float32, flagged, where the eager step before the capture found i
 clean in float32), and where even that underflows, by max-plus: the underflowed entries
 alone, a static number of them at most, else the whole product. So a stiff chain's
 captured steps are not each redone eagerly. That number is fitted to the entries the
-eager step before the capture repaired, product by product (:func:`counting_repairs`):
+step's eager runs before the capture repaired, product by product (:func:`counting_repairs`,
+:func:`merge_repair_counts`):
 a repair's work follows its capacity, not its need, and runs at every step, with no
 branch. A product with no count is repaired under ``torch.cond``, only where needed.
 
@@ -159,6 +160,24 @@ def counting_repairs() -> Iterator[List[RepairCount]]:
         yield counts
     finally:
         _REPAIR_COUNTS.reset(token)
+
+
+def merge_repair_counts(seen: Optional[Sequence[tuple]], new: Sequence[tuple]) -> List[RepairCount]:
+    """
+    What several eager runs of one step repaired, product by product: the most entries
+    any of them recomputed, and clean in float32 only where every one was. One draw can
+    be clean where most are not (a deep level of Fig. 4's 1,000-link chain): a capture
+    sized by that draw alone had nearly every replay redone eagerly. Where the products
+    do not line up (another structure), the newest counts stand alone.
+    """
+    new = [RepairCount(*entry) for entry in new]
+    seen = None if seen is None else [RepairCount(*entry) for entry in seen]
+    if seen is None or [entry.shape for entry in seen] != [entry.shape for entry in new]:
+        return new
+    return [
+        RepairCount(old.shape, max(old.count, now.count), old.narrow_clean and now.narrow_clean)
+        for old, now in zip(seen, new)
+    ]
 
 
 class _RepairHints:
@@ -618,6 +637,7 @@ __all__ = [
     "exact_logsumexp",
     "exp_or_zero",
     "log_matmul_exp",
+    "merge_repair_counts",
     "safe_log",
     "safe_logsumexp",
     "sequential_log_matmul_exp",
