@@ -251,7 +251,7 @@ class SiteDensities:
         where = self.log_p.get(id(site))
         return None if where is None else self.packed(*where, dim_to_symbol)
 
-    def proposal_factor(self, q_site, detach_guide: bool, dim_to_symbol: Dict[int, str]):
+    def proposal_factor(self, q_site, detach: bool, dim_to_symbol: Dict[int, str]):
         """
         The packed ``-log q - log K`` of proposal ``q_site`` as a slice of one stacked
         tensor for its group (:func:`~pyro_tmc.proposals.proposal_term_rule`), or ``None``.
@@ -259,7 +259,7 @@ class SiteDensities:
         where = self.log_q.get(id(q_site))
         if where is None:
             return None
-        detach, log_k = proposal_term_rule(q_site, detach_guide)
+        detach, log_k = proposal_term_rule(q_site, detach)
         return self.packed(*self.proposal_terms(where, detach, log_k), dim_to_symbol)
 
 

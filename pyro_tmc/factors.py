@@ -33,7 +33,7 @@ from .checks import log_prob_error, packing_error
 from .contraction import ChunkedFactor, contract_log_factors
 from .evaluation import EvaluationPlan
 from .memory import can_chunk, contraction_memory_error, itemsize, naming_the_site, site_memory_error
-from .proposals import proposal_log_prob, proposal_term_rule
+from .proposals import proposal_log_prob, proposal_term_rule, stops_proposal_density
 from .scales import ScalePlan, keep_scaled_unit_plates
 from .shapes import broadcast_shape, log_prob_shape
 from .sites import (
@@ -103,17 +103,18 @@ def log_p(site, scale, mask, densities: Optional[SiteDensities]) -> torch.Tensor
 
 
 def neg_log_q(
-    q_site, scale, mask, detach_guide: bool, densities: Optional[SiteDensities], dim_to_symbol, source=None
+    q_site, scale, mask, detach: bool, densities: Optional[SiteDensities], dim_to_symbol, source=None
 ) -> torch.Tensor:
     """
     The packed ``-log q - log K`` of a latent's proposal ``q_site``
-    (:func:`~pyro_tmc.proposals.proposal_term_rule`), plus ``source`` if given. A
+    (:func:`~pyro_tmc.proposals.proposal_term_rule`; ``detach``: its gradient stopped,
+    :func:`~pyro_tmc.proposals.stops_proposal_density`), plus ``source`` if given. A
     Delta proposal contributes its ``log_density`` (AutoNormal's log|Jacobian|).
     A masked element contributes ``log p - log q = 0`` for each particle, and the
     ``-log K`` keeps its sum over particles at 1.
     """
     if source is None and densities is not None and mask is None and _is_unit(scale):
-        stacked = densities.proposal_factor(q_site, detach_guide, dim_to_symbol)
+        stacked = densities.proposal_factor(q_site, detach, dim_to_symbol)
         if stacked is not None:
             return stacked
     draw = q_site["infer"].get("_tmc_draw")
@@ -124,7 +125,7 @@ def neg_log_q(
         log_q = densities.member(*where)
     else:
         log_q = proposal_log_prob(q_site["fn"], q_site["value"], draw)
-    detach, log_k = proposal_term_rule(q_site, detach_guide)
+    detach, log_k = proposal_term_rule(q_site, detach)
     term = scale_and_mask(-(log_q.detach() if detach else log_q), scale, mask)
     if log_k:
         term = term - log_k
@@ -210,7 +211,7 @@ def site_log_factors(
     else:
         factors = [log_p(site, scale, mask, densities)]
     if sampled:
-        detach = detach_guide_proposal and q_site is not site
+        detach = stops_proposal_density(q_site, q_site is site, detach_guide_proposal)
         factors.append(neg_log_q(q_site, scale, site["mask"], detach, densities, dim_to_symbol, source))
     elif source is not None:
         factors.append(pack(source, dim_to_symbol))
@@ -238,7 +239,8 @@ def guide_site_log_factors(
             "has no site of that name, so TMC cannot sum it exactly. Drop the flag to sample it."
         )
     dim_to_symbol = site["infer"]["_dim_to_symbol"]
-    return [neg_log_q(site, scale, site["mask"], detach_guide_proposal, densities, dim_to_symbol, source)]
+    detach = stops_proposal_density(site, False, detach_guide_proposal)
+    return [neg_log_q(site, scale, site["mask"], detach, densities, dim_to_symbol, source)]
 
 
 def compute_log_factors(

@@ -432,23 +432,53 @@ def proposal_log_prob(fn: Distribution, value: torch.Tensor, draw: ParticleDraw)
     return draw.strategy.log_prob(fn, value, draw)
 
 
-def proposal_term_rule(q_site, detach_guide: bool) -> Tuple[bool, float]:
+def stops_proposal_density(q_site, own_prior: bool, detach_guide: bool) -> bool:
+    """
+    Whether a latent's ``log q`` enters its factor with its gradient stopped:
+
+    - a model latent drawn from its own conditional (``own_prior``) that is not
+      reparameterised. DiCE: ``p / stop(p)`` has the score-function gradient of
+      the importance weight, so the model's parameters get an unbiased gradient of
+      ``p(x)`` through the draw (``tests/test_tmc_elbo.py``);
+    - a guide latent where the caller stops the guide's density (``detach_guide``:
+      the path-gradient and wake-sleep estimators take the guide's gradient elsewhere).
+
+    A guide latent that is not reparameterised keeps its gradient: with the score
+    term that :class:`~pyro_tmc.infer.estimators.Plain` adds, the guide's parameters
+    get the gradient of the bound ``E[log P_TMC]``, as ``Trace_ELBO``'s do at K = 1.
+    """
+    if own_prior:
+        return not q_site["fn"].has_rsample
+    return detach_guide
+
+
+def sampling_log_prob(fn: Distribution, value: torch.Tensor, draw: "ParticleDraw") -> torch.Tensor:
+    """
+    The log density of each particle under what drew it: the site's distribution
+    given the ancestors each particle picked (those picks do not depend on the
+    guide's parameters), unmasked. Its gradient is the particles' score function.
+    """
+    if isinstance(fn, MaskedDistribution):  # the mask stops a factor, not the drawing
+        fn = fn.base_dist
+    if not draw.parent_dims:
+        return log_density.log_prob(fn, value)
+    return Diagonal().log_prob(fn, value, draw)
+
+
+def proposal_term_rule(q_site, detach: bool) -> Tuple[bool, float]:
     """
     How the proposal ``q_site`` of a latent enters the latent's factor as
     ``-log q - log K``: ``(detach, log_k)``.
 
-    - ``detach``: ``log q`` carries no gradient where ``q`` is not reparameterised
-      (DiCE: ``p / stop(q)`` has the score-function gradient of an importance
-      weight, the score of ``q`` cancelling against ``-log q``), or where the
-      caller stops the guide's density (``detach_guide``: the path-gradient
-      estimators take the guide's gradient elsewhere);
+    - ``detach``: whether ``log q`` carries no gradient, as the caller says
+      (:func:`stops_proposal_density`), and never for an observed site;
     - ``log_k``: ``log K`` of a sampled site, the average over its particles; 0 for
       an enumerated or Delta proposal, for joint samples, whose ``-log K`` is
       counted once for the whole draw (:func:`pyro_tmc.factors.joint_samples_factor`),
       and for every member of a particle group but the first, since the members
       share one average over their K particles (:mod:`pyro_tmc.particle_groups`).
     """
-    detach = not q_site["is_observed"] and (not q_site["fn"].has_rsample or detach_guide)
+    detach = detach and not q_site["is_observed"]
     draw = q_site["infer"].get("_tmc_draw")
     counted = draw is not None and not draw.joint and draw.counts_log_k
     log_k = math.log(draw.num_samples) if counted else 0.0

@@ -22,7 +22,7 @@ import torch
 
 from pyro.poutine import Trace
 
-from ..proposals import proposal_log_prob
+from ..proposals import proposal_log_prob, sampling_log_prob
 from ..sites import is_latent, source_weights
 from .draw import DrawSettings, TMCDraw
 from .path_gradients import check_factorised, path_surrogate, reparameterised_latents
@@ -82,10 +82,39 @@ class GradientEstimator:
 
 @register_estimator(None)
 class Plain(GradientEstimator):
-    """The gradient of ``log P_TMC`` as it is."""
+    """
+    The gradient of the bound ``E[log P_TMC]``: of ``log P_TMC`` as it is, plus, for
+    the guide's latents that are not reparameterised, a score-function (DiCE) term
+    ``stop(log P_TMC) * grad sum_k log q(z^k)`` over the densities their particles
+    were drawn from (:func:`~pyro_tmc.proposals.sampling_log_prob`). With ``log q``
+    differentiable inside ``P_TMC`` too (:func:`~pyro_tmc.proposals.stops_proposal_density`),
+    the guide's parameters get an unbiased gradient of the bound, as ``Trace_ELBO``'s
+    do (the same estimator at K = 1, no baseline).
+    """
 
     def surrogate(self, draw: TMCDraw) -> torch.Tensor:
-        return draw.log_estimate()
+        log_p = draw.log_estimate()
+        score = score_of_unreparameterised_draws(draw.guide_trace)
+        if score is None:
+            return log_p
+        return log_p + log_p.detach() * (score - score.detach())
+
+
+def score_of_unreparameterised_draws(guide_trace: Trace) -> Optional[torch.Tensor]:
+    """
+    ``sum log q`` of every particle of the guide's sampled latents that are not
+    reparameterised, under the densities that drew them; ``None`` where there are none
+    (or their densities need no gradient).
+    """
+    total = None
+    for site in guide_trace.nodes.values():
+        draw = site["infer"].get("_tmc_draw") if is_latent(site) else None
+        if draw is None or site["fn"].has_rsample:
+            continue
+        log_q = sampling_log_prob(site["fn"], site["value"], draw)
+        if log_q.requires_grad:
+            total = log_q.sum() if total is None else total + log_q.sum()
+    return total
 
 
 @register_estimator("stl")
