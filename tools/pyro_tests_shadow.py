@@ -97,7 +97,9 @@ class ShadowELBO(pyro.infer.ELBO):
             vectorize_particles=kwargs.get("vectorize_particles", False),
         )
         self.eager = TMC_ELBO(**settings)
-        self.captured = TMC_ELBO(compile=MODE, **settings)
+        # inductor's own random draws differ from torch's: fallback_random keeps the eager step's numbers
+        compile_options = {"options": {"fallback_random": True}} if MODE == "inductor" else None
+        self.captured = TMC_ELBO(compile=MODE, compile_options=compile_options, **settings)
         self.calls = 0
         self._capped: Dict[int, tuple] = {}  # id(model or guide) -> (it, it with num_samples capped)
         super().__init__(max_plate_nesting=settings["max_plate_nesting"])
