@@ -540,6 +540,8 @@ def compiled_step_graph(
     graph = _for_inductor(graph, options)
     keywords = compile_keywords(options)
     settings = keywords.get("options") or {}
+    if settings.get("fallback_random", background):  # a background compile keeps torch's draws by default
+        with_torchs_own_bernoulli(graph)
     if keywords.get("backend", "inductor") != "inductor" or settings.get("triton.cudagraphs", False):
         return compiled_keeping_validation(graph, options)
     if wrapper_apart:
@@ -602,6 +604,38 @@ def with_written_destinations_materialized(graph: torch.fx.GraphModule) -> torch
             )
         copy.meta["val"] = value.clone(memory_format=torch.contiguous_format)
         node.replace_input_with(destination, copy)
+        changed = True
+    if changed:
+        graph.recompile()
+    return graph
+
+
+def with_torchs_own_bernoulli(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """
+    The graph (changed in place) with each ``bernoulli(p)`` written as
+    ``empty_like(p).bernoulli_(p)``: what the first does eagerly, the same numbers.
+    Inductor decomposes the first form into ``rand(float32) < p`` even under
+    ``fallback_random`` (torch 2.13, ``torch._decomp``'s ``bernoulli``), and calls torch's
+    own kernel for the second (through a C++ shim, so ``cpp_wrapper`` calls it directly).
+    Eager ``bernoulli`` of float64 probabilities draws other uniforms, so a captured
+    step's Bernoulli draws differed from the eager step's from the same random state,
+    where ``fallback_random`` promises the same numbers (found by Pyro's plate tests,
+    which run in float64, under ``tools/pyro_tests_shadow.py``).
+    """
+    aten = torch.ops.aten
+    changed = False
+    for node in list(graph.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.bernoulli.default:
+            continue
+        (probs,) = node.args
+        with graph.graph.inserting_before(node):
+            destination = graph.graph.call_function(aten.empty_like.default, (probs,))
+            draw = graph.graph.call_function(aten.bernoulli_.Tensor, (destination, probs), dict(node.kwargs))
+        if "val" in probs.meta:
+            destination.meta["val"] = torch.empty_like(probs.meta["val"])
+        draw.meta = dict(node.meta)
+        node.replace_all_uses_with(draw)
+        graph.graph.erase_node(node)
         changed = True
     if changed:
         graph.recompile()
