@@ -847,36 +847,75 @@ def test_inductors_python_wrapper_replays_the_eager_step():
     _assert_same(replayed, eager, rtol=1e-4)
 
 
-def bernoulli_model(data):
-    with pyro.plate("data", len(data)):
-        z = pyro.sample("z", dist.Bernoulli(torch.tensor(0.5, dtype=data.dtype)))
-        pyro.sample("x", dist.Normal(2.0 * z - 1.0, 1.0), obs=data)
+#: one latent of each family whose draws torch makes by its own random operations
+#: (normal, bernoulli, multinomial, _standard_gamma, Dirichlet's, poisson, binomial)
+_FAMILIES = ("normal", "bernoulli", "categorical", "gamma", "dirichlet", "poisson", "binomial", "beta")
 
 
-def bernoulli_guide(data):
-    probs = pyro.param("probs", torch.full_like(data, 0.3), constraint=constraints.unit_interval)
+def _family_sites(t, params=None):
+    """Each family's distribution: the prior (``params`` None) or the guide's, from ``params``."""
+    p = params or {
+        "loc": t(0.0), "probs": t(0.4), "cat": t([0.2, 0.3, 0.5]), "shape": t(2.0),
+        "conc": t([1.0, 2.0, 3.0]), "rate": t(3.0), "bin": t(0.4), "beta": t(2.0),
+    }  # fmt: skip
+    return {
+        "normal": dist.Normal(p["loc"], 1.0),
+        "bernoulli": dist.Bernoulli(p["probs"]),
+        "categorical": dist.Categorical(p["cat"]),
+        "gamma": dist.Gamma(p["shape"], 1.0),
+        "dirichlet": dist.Dirichlet(p["conc"]),
+        "poisson": dist.Poisson(p["rate"]),
+        "binomial": dist.Binomial(5, p["bin"]),
+        "beta": dist.Beta(p["beta"], 2.0),
+    }
+
+
+def families_model(data):
+    t = functools.partial(torch.tensor, dtype=data.dtype)
+    sites = _family_sites(t)
     with pyro.plate("data", len(data)):
-        pyro.sample("z", dist.Bernoulli(probs))
+        z = {name: pyro.sample(name, sites[name]) for name in _FAMILIES}
+        mean = sum(z[name] for name in _FAMILIES if name != "dirichlet") + z["dirichlet"][..., 0]
+        pyro.sample("x", dist.Normal(torch.tanh(mean / 4.0), 1.0), obs=data)
+
+
+def families_guide(data):
+    t = functools.partial(torch.tensor, dtype=data.dtype)
+    unit, positive = constraints.unit_interval, constraints.positive
+    params = {
+        "loc": pyro.param("q_loc", t(0.3)),
+        "probs": pyro.param("q_probs", t(0.3), constraint=unit),
+        "cat": pyro.param("q_cat", t([0.5, 0.3, 0.2]), constraint=constraints.simplex),
+        "shape": pyro.param("q_shape", t(1.5), constraint=positive),
+        "conc": pyro.param("q_conc", t([1.5, 1.2, 2.0]), constraint=positive),
+        "rate": pyro.param("q_rate", t(2.5), constraint=positive),
+        "bin": pyro.param("q_bin", t(0.3), constraint=unit),
+        "beta": pyro.param("q_beta", t(1.5), constraint=positive),
+    }
+    sites = _family_sites(t, params)
+    with pyro.plate("data", len(data)):
+        for name in _FAMILIES:
+            pyro.sample(name, sites[name])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_inductor_with_fallback_random_draws_bernoulli_as_eager(dtype):
+def test_inductor_with_fallback_random_draws_as_the_eager_step(dtype):
     """
-    ``fallback_random`` promises the eager step's numbers. Inductor decomposes
-    ``bernoulli(p)`` into ``rand(float32) < p`` even so, which differs from torch's own
-    draws for float64 probabilities (Pyro's tests run in float64): a replayed step's
-    Bernoulli guide drew other values, and its gradient differed from the eager
+    ``fallback_random`` promises the eager step's numbers, for each family's draws. Inductor
+    decomposes ``bernoulli(p)`` into ``rand(float32) < p`` even so, which differs from
+    torch's own draws for float64 probabilities (Pyro's tests run in float64): a replayed
+    step's Bernoulli guide drew other values, and its gradient differed from the eager
     step's by multiples of 1/K. The graph now calls torch's kernel.
     """
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
-    data = torch.tensor([-1.2, 0.3, 0.9, -0.4, 1.5, 0.1], dtype=dtype)
+    data = torch.tensor([-1.2, 0.3, 0.9, -0.4], dtype=dtype)
     make_loss = functools.partial(
         TMC_ELBO, num_samples=3, max_plate_nesting=1, compile_options={"options": {"fallback_random": True}}
     )
-    replayed, eager = _replay_and_eager(make_loss, bernoulli_model, bernoulli_guide, (data,), mode="inductor")
-    _assert_same(replayed, eager)
-    assert eager[1]["probs"].abs().max() > 0.1  # the draws decide this gradient: the check has teeth
+    replayed, eager = _replay_and_eager(make_loss, families_model, families_guide, (data,), mode="inductor")
+    _assert_same(replayed, eager, rtol=1e-4)
+    assert eager[1]["q_probs"].abs().max() > 1e-3  # the draws decide this gradient: the check has teeth
 
 
 def _recorded_inductor_settings(monkeypatch, compile_for_real: bool = False) -> list:
