@@ -26,7 +26,7 @@ from torch.distributions import Distribution, Independent
 from pyro.poutine import Trace
 
 from . import log_density
-from .proposals import constructor_parameters, proposal_term_rule
+from .proposals import constructor_parameters, proposal_log_k
 from .sites import guide_only_sites, is_sample, proposal_site
 
 #: the smallest group worth stacking: below this, site by site is as fast
@@ -254,13 +254,12 @@ class SiteDensities:
     def proposal_factor(self, q_site, detach: bool, dim_to_symbol: Dict[int, str]):
         """
         The packed ``-log q - log K`` of proposal ``q_site`` as a slice of one stacked
-        tensor for its group (:func:`~pyro_tmc.proposals.proposal_term_rule`), or ``None``.
+        tensor for its group (:func:`~pyro_tmc.proposals.proposal_log_k`), or ``None``.
         """
         where = self.log_q.get(id(q_site))
         if where is None:
             return None
-        detach, log_k = proposal_term_rule(q_site, detach)
-        return self.packed(*self.proposal_terms(where, detach, log_k), dim_to_symbol)
+        return self.packed(*self.proposal_terms(where, detach, proposal_log_k(q_site)), dim_to_symbol)
 
 
 def site_densities(model_trace: Trace, guide_trace: Trace) -> SiteDensities:

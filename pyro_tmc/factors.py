@@ -33,7 +33,7 @@ from .checks import log_prob_error, packing_error
 from .contraction import ChunkedFactor, contract_log_factors
 from .evaluation import EvaluationPlan
 from .memory import can_chunk, contraction_memory_error, itemsize, naming_the_site, site_memory_error
-from .proposals import proposal_log_prob, proposal_term_rule, stops_proposal_density
+from .proposals import proposal_log_k, proposal_log_prob, stops_proposal_density
 from .scales import ScalePlan, keep_scaled_unit_plates
 from .shapes import broadcast_shape, log_prob_shape
 from .sites import (
@@ -107,7 +107,7 @@ def neg_log_q(
 ) -> torch.Tensor:
     """
     The packed ``-log q - log K`` of a latent's proposal ``q_site``
-    (:func:`~pyro_tmc.proposals.proposal_term_rule`; ``detach``: its gradient stopped,
+    (:func:`~pyro_tmc.proposals.proposal_log_k`; ``detach``: its gradient stopped,
     :func:`~pyro_tmc.proposals.stops_proposal_density`), plus ``source`` if given. A
     Delta proposal contributes its ``log_density`` (AutoNormal's log|Jacobian|).
     A masked element contributes ``log p - log q = 0`` for each particle, and the
@@ -125,7 +125,7 @@ def neg_log_q(
         log_q = densities.member(*where)
     else:
         log_q = proposal_log_prob(q_site["fn"], q_site["value"], draw)
-    detach, log_k = proposal_term_rule(q_site, detach)
+    log_k = proposal_log_k(q_site)
     term = scale_and_mask(-(log_q.detach() if detach else log_q), scale, mask)
     if log_k:
         term = term - log_k

@@ -7,7 +7,7 @@ own proposal, independently given its parents) and indexed by the same ``k``, so
 factor over several members has one particle dim. The estimate is still unbiased:
 each member enters with its own ``log p - log q``, and the group's ``-log K`` (the
 average over its K joint particles) is counted once, at its first member
-(:func:`pyro_tmc.proposals.proposal_term_rule`), as IWAE counts it once for all
+(:func:`pyro_tmc.proposals.proposal_log_k`), as IWAE counts it once for all
 latents. The price is fewer particle combinations: K for the group instead of K^n,
 hence a looser bound.
 

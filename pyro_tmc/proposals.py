@@ -446,7 +446,10 @@ def stops_proposal_density(q_site, own_prior: bool, detach_guide: bool) -> bool:
     A guide latent that is not reparameterised keeps its gradient: with the score
     term that :class:`~pyro_tmc.infer.estimators.Plain` adds, the guide's parameters
     get the gradient of the bound ``E[log P_TMC]``, as ``Trace_ELBO``'s do at K = 1.
+    An observed site's density is never stopped.
     """
+    if q_site["is_observed"]:
+        return False
     if own_prior:
         return not q_site["fn"].has_rsample
     return detach_guide
@@ -465,21 +468,15 @@ def sampling_log_prob(fn: Distribution, value: torch.Tensor, draw: "ParticleDraw
     return Diagonal().log_prob(fn, value, draw)
 
 
-def proposal_term_rule(q_site, detach: bool) -> Tuple[bool, float]:
+def proposal_log_k(q_site) -> float:
     """
-    How the proposal ``q_site`` of a latent enters the latent's factor as
-    ``-log q - log K``: ``(detach, log_k)``.
-
-    - ``detach``: whether ``log q`` carries no gradient, as the caller says
-      (:func:`stops_proposal_density`), and never for an observed site;
-    - ``log_k``: ``log K`` of a sampled site, the average over its particles; 0 for
-      an enumerated or Delta proposal, for joint samples, whose ``-log K`` is
-      counted once for the whole draw (:func:`pyro_tmc.factors.joint_samples_factor`),
-      and for every member of a particle group but the first, since the members
-      share one average over their K particles (:mod:`pyro_tmc.particle_groups`).
+    The ``log K`` in the ``-log q - log K`` by which the proposal ``q_site`` of a latent
+    enters the latent's factor: of a sampled site, the average over its particles; 0
+    for an enumerated or Delta proposal, for joint samples, whose ``-log K`` is
+    counted once for the whole draw (:func:`pyro_tmc.factors.joint_samples_factor`),
+    and for every member of a particle group but the first, since the members share
+    one average over their K particles (:mod:`pyro_tmc.particle_groups`).
     """
-    detach = detach and not q_site["is_observed"]
     draw = q_site["infer"].get("_tmc_draw")
     counted = draw is not None and not draw.joint and draw.counts_log_k
-    log_k = math.log(draw.num_samples) if counted else 0.0
-    return detach, log_k
+    return math.log(draw.num_samples) if counted else 0.0
