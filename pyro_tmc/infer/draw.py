@@ -19,7 +19,7 @@ posterior marginal).
 """
 
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import torch
@@ -37,6 +37,8 @@ from ..factors import LogFactor, compute_log_factors, contract_estimate
 from ..log_einsum import checks_deferred
 from ..particle_groups import particle_groups_of
 from ..poutine import TMCMessenger
+from ..poutine.chain_dims import ChainDims, ChainDimsConflict
+from ..poutine.tmc_messenger import ParticleDimsExhausted
 from ..scales import ScalePlan, symbolize
 from ..sites import (
     is_latent,
@@ -48,6 +50,7 @@ from ..sites import (
 )
 from ..vectorized_markov import markov_times, with_previous_steps, without_funsor_scoring
 from .broadcast_check import BroadcastCheck, run_probe
+from .chain_plan import ChainPlans, needs_plan
 from .collapse_check import collapse_refusal
 from .path_gradients import with_leaf_values
 
@@ -80,6 +83,10 @@ class DrawSettings:
     broadcast_check: Optional[BroadcastCheck] = None
     #: ``dim -> K`` overriding every sampled site's count (the probe draw itself)
     particle_counts: Optional[Callable[[int], int]] = None
+    #: the loss's plans of particle dims for guides that sample a chain outside
+    #: pyro.markov (:mod:`pyro_tmc.infer.chain_plan`), and the plan of this draw
+    chain_plans: Optional[ChainPlans] = None
+    chain_dims: Optional[ChainDims] = None
 
 
 @dataclass
@@ -127,13 +134,20 @@ class TMCDraw:
             particles are replaced by detached leaves before the model runs.
         :param bool leaves_require_grad: whether those leaves require grad.
         """
-        guide_trace = run_guide(guide, args, kwargs, settings)
-        live_trace, leaves = None, {}
-        if leaf_sites is not None:
-            live_trace = guide_trace
-            leaf_trace, leaves = with_leaf_values(live_trace, leaf_sites(live_trace), leaves_require_grad)
-            guide_trace = replay_guide(guide, leaf_trace, args, kwargs, settings)
-        model_trace = run_model(model, guide_trace, args, kwargs, settings)
+
+        def draw_traces(settings: DrawSettings, record: Optional[list] = None):
+            guide_trace = run_guide(guide, args, kwargs, settings, record)
+            live_trace, leaves = None, {}
+            if leaf_sites is not None:
+                live_trace = guide_trace
+                leaf_trace, leaves = with_leaf_values(live_trace, leaf_sites(live_trace), leaves_require_grad)
+                guide_trace = replay_guide(guide, leaf_trace, args, kwargs, settings)
+            model_trace = run_model(model, guide_trace, args, kwargs, settings, record)
+            return settings, guide_trace, live_trace, leaves, model_trace
+
+        settings, guide_trace, live_trace, leaves, model_trace = with_chain_plan(
+            draw_traces, model, args, kwargs, settings
+        )
         model_trace, guide_trace, scales = finish(model_trace, guide_trace, settings.max_plate_nesting)
         plan = plan_evaluation(model_trace, scales, settings.max_factor_bytes, settings.program)
         check = settings.broadcast_check
@@ -234,15 +248,99 @@ def traces_of_one_draw(model, guide, args, kwargs, settings: DrawSettings) -> Tu
     return model_trace, guide_trace
 
 
-def run_guide(guide, args, kwargs, settings: DrawSettings) -> Trace:
-    """The guide under ``tmc``: K particles for every latent site, dims left of the plates."""
+def with_chain_plan(draw_traces: Callable, model, args, kwargs, settings: DrawSettings):
+    """
+    ``draw_traces(settings, record)``, with the loss's plan of particle dims for
+    a guide that samples the model's ``pyro.markov`` chain outside any markov
+    context (AutoNormal, a plain loop; :mod:`pyro_tmc.infer.chain_plan`):
+
+    - the first draw with these argument shapes runs without one, and decides it
+      (from what its guide and model ``record``); should its guide run out of
+      particle dims, it is drawn again under the plan, from the same random state;
+    - a draw the plan cannot serve is drawn again without it, from the same
+      random state, and the plan is dropped.
+    """
+    plans = settings.chain_plans
+    if plans is None or settings.chain_dims is not None or settings.joint:
+        return draw_traces(settings)
+    key = plans.key(args, kwargs, settings)
+    first = not plans.decided(key)
+    plan = plans.plan(key)
+    planned = replace(settings, chain_dims=plan) if plan is not None else settings
+    rng = _rng_state() if (first or plan is not None) and not checks_deferred() else None
+    record: list = []
+    try:
+        result = draw_traces(planned, record)
+    except ParticleDimsExhausted as exhausted:
+        if not first or rng is None:
+            raise _with_refusal(exhausted, plans.refusal(key)) from None
+        plan = plans.decide(key, model, args, kwargs, needed=True)
+        if plan is None:
+            raise
+        _restore_rng(rng)
+        return with_chain_plan(draw_traces, model, args, kwargs, settings)
+    except ChainDimsConflict as conflict:
+        if plan is None or rng is None:
+            raise
+        plans.refuse(key, _without_shapes(conflict))
+        _restore_rng(rng)
+        try:
+            return draw_traces(settings)
+        except ParticleDimsExhausted as exhausted:
+            raise _with_refusal(exhausted, plans.refusal(key)) from None
+    if first:
+        guide_run, model_run = record
+        plans.decide(key, model, args, kwargs, needs_plan(guide_run.unscoped_latents, model_run.chain_sites))
+    return result
+
+
+def _without_shapes(error: Exception) -> str:
+    """An error's message without the dump of trace shapes that Pyro appends to errors raised in a trace."""
+    return str(error).split("\nTrace Shapes:")[0].strip()
+
+
+def _with_refusal(error: Exception, refusal: str) -> Exception:
+    """The error of a guide that ran out of particle dims, with why recycling them did not serve."""
+    if not refusal:
+        return error
+    return type(error)(
+        f"{_without_shapes(error)} TMC could not recycle the guide's particle dims along the model's "
+        f"markov chain: {refusal}"
+    )
+
+
+def _rng_state() -> tuple:
+    """The random states a draw consumes (torch's CPU generator, and CUDA's where in use)."""
+    cuda = (
+        torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    )
+    return torch.get_rng_state(), cuda
+
+
+def _restore_rng(state: tuple) -> None:
+    """Back to a state of :func:`_rng_state`, so that a draw made again makes the same draws."""
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def run_guide(guide, args, kwargs, settings: DrawSettings, record: Optional[list] = None) -> Trace:
+    """
+    The guide under ``tmc``: K particles for every latent site, dims left of the plates.
+
+    :param list record: if given, the handler is appended to it (what it saw).
+    """
     messenger = TMCMessenger(
         settings.num_samples,
         settings.proposal,
         first_available_dim=-1 - settings.max_plate_nesting,
         joint_dim="new" if settings.joint else None,
         particle_counts=settings.particle_counts,
+        chain_dims=settings.chain_dims,
     )
+    if record is not None:
+        record.append(messenger)
     guide_trace = run_with_shape_hint(
         messenger, "guide", poutine.trace(messenger(without_funsor_scoring(guide))).get_trace, args, kwargs
     )
@@ -260,11 +358,19 @@ def replay_guide(guide, leaf_trace: Trace, args, kwargs, settings: DrawSettings)
     return poutine.trace(poutine.replay(messenger(guide), trace=leaf_trace)).get_trace(*args, **kwargs)
 
 
-def run_model(model, guide_trace: Trace, args, kwargs, settings: DrawSettings) -> Trace:
-    """The model against the guide's particles (latents it alone has get their own)."""
+def run_model(
+    model, guide_trace: Trace, args, kwargs, settings: DrawSettings, record: Optional[list] = None
+) -> Trace:
+    """
+    The model against the guide's particles (latents it alone has get their own).
+
+    :param list record: if given, the handler is appended to it (what it saw).
+    """
     # The model's handler continues the guide's dim allocation, and sits
     # inside the replay so that it sees the model's own markov scopes.
     messenger = continuing_messenger(guide_trace, settings)
+    if record is not None:
+        record.append(messenger)
     # a vectorized_markov chain's previous steps are the particles of the step before
     replayed = with_previous_steps(guide_trace)
     run = poutine.trace(poutine.replay(messenger(without_funsor_scoring(model)), trace=replayed)).get_trace
@@ -285,6 +391,7 @@ def continuing_messenger(replayed: Trace, settings: DrawSettings) -> TMCMessenge
         joint_dim=joint_dim(replayed) if settings.joint else None,
         particle_counts=settings.particle_counts,
         particle_groups=particle_groups_of(replayed),
+        check_replayed_dims=settings.chain_dims is not None,
     )
 
 

@@ -15,6 +15,7 @@ from ..poutine.tmc_messenger import check_num_samples
 from ..proposals import check_proposal
 from .base import DifferentiableLossELBO
 from .broadcast_check import BroadcastCheck
+from .chain_plan import ChainPlans
 from .draw import DrawSettings, TMCDraw
 from .estimators import make_estimator
 
@@ -125,6 +126,7 @@ class TMC_ELBO(DifferentiableLossELBO):
         if compile is not None and compile_scope == "step":
             self.step_program = StepProgram(compile, compile_options, check_every)
         self.broadcast_check = BroadcastCheck()
+        self.chain_plans = ChainPlans()
         self.proposal = check_proposal(proposal)
         self.estimator = self._make_estimator(variance_reduction)
         self.variance_reduction = variance_reduction
@@ -149,6 +151,7 @@ class TMC_ELBO(DifferentiableLossELBO):
             self.max_factor_bytes,
             program=self.program,
             broadcast_check=self.broadcast_check,
+            chain_plans=self.chain_plans,
         )
 
     def _checked(self, draw: TMCDraw) -> TMCDraw:

@@ -2,7 +2,7 @@
 
 import numbers
 import warnings
-from typing import Callable, Collection, Dict, Optional, Set
+from typing import Callable, Collection, Dict, List, Optional, Set, Tuple
 
 import torch
 
@@ -21,6 +21,7 @@ from ..particle_groups import (
 )
 from ..proposals import draw_joint_particles, draw_particles, get_proposal
 from ..sites import is_delta, is_marked_for_exact_sum
+from .chain_dims import ChainDims, check_replayed_dims
 
 #: PyTorch tensors hold at most this many dims; particle dims beyond it cannot exist.
 MAX_TENSOR_DIMS = 64
@@ -107,6 +108,10 @@ def check_no_dim_conflict(msg: Message, target_dim: int) -> None:
         )
 
 
+class ParticleDimsExhausted(ValueError):
+    """A site needs a particle dim beyond what a tensor holds."""
+
+
 class TMCMessenger(EnumMessenger):
     """
     Gives every latent sample site a particle dimension, allocated left of the
@@ -154,6 +159,11 @@ class TMCMessenger(EnumMessenger):
         run's members join. A site marked ``infer={"particle_group": name}``
         shares the group's particle dim (:mod:`pyro_tmc.particle_groups`); the
         first member of a new group allocates it.
+    :param chain_dims: where the latents sampled outside every markov context
+        put their particles: the dims the model's ``pyro.markov`` recycles
+        (:mod:`pyro_tmc.poutine.chain_dims`); no other site takes those dims.
+    :param bool check_replayed_dims: check that no replayed latent's factor here
+        varies along its own particle dim (the model's run under ``chain_dims``).
 
     Reference: Aitchison, L. (2019) "Tensor Monte Carlo: Particle Methods for
     the GPU Era", NeurIPS.
@@ -170,6 +180,8 @@ class TMCMessenger(EnumMessenger):
         reserved_dims: Collection[int] = (),
         particle_counts: Optional[Callable[[int], int]] = None,
         particle_groups: Optional[Dict[str, ParticleGroup]] = None,
+        chain_dims: Optional[ChainDims] = None,
+        check_replayed_dims: bool = False,
     ) -> None:
         self.num_samples = check_num_samples(num_samples, "tmc(num_samples)")
         self.proposal = get_proposal(proposal)
@@ -185,6 +197,10 @@ class TMCMessenger(EnumMessenger):
         self.particle_counts = particle_counts
         self.joint_dim = joint_dim
         self.initial_groups = dict(particle_groups or {})
+        self.chain_dims = chain_dims
+        self.check_replayed_dims = check_replayed_dims
+        #: dims no allocation hands out: the replayed values' and the chain plan's
+        self._taken_dims = self.reserved_dims | (chain_dims.band if chain_dims is not None else frozenset())
 
     def __enter__(self):
         # dim -> id of the site that last placed a value there: what a site
@@ -197,6 +213,12 @@ class TMCMessenger(EnumMessenger):
         #: particle groups by name, and the groups that the model asks for at replayed sites
         self.groups: Dict[str, ParticleGroup] = dict(self.initial_groups)
         self._model_groups: Dict[str, str] = {}
+        #: under ``chain_dims``: dim -> the sites that have held it, in order
+        self._chain_holders: Dict[int, List[str]] = {}
+        #: latents drawn here outside every markov context on a dim of their own (a plan could recycle)
+        self.unscoped_latents: List[str] = []
+        #: sample sites seen inside a pyro.markov context (the model's chain, when this runs the model)
+        self.chain_sites: Set[str] = set()
         return super().__enter__()
 
     def _record_scope(self, msg: Message) -> Dict[int, int]:
@@ -210,6 +232,8 @@ class TMCMessenger(EnumMessenger):
         param_dims = self._param_dims[msg["name"]]
         if msg["infer"].get("_markov_scope") is None:
             param_dims.update(self._occupants)
+        else:
+            self.chain_sites.add(msg["name"])
         return param_dims
 
     def _pyro_sample(self, msg: Message) -> None:
@@ -219,10 +243,13 @@ class TMCMessenger(EnumMessenger):
         param_dims = self._record_scope(msg)
         if msg["name"] in self.replayed_sites and not msg["is_observed"] and group_name(msg) is not None:
             self._model_groups[msg["name"]] = group_name(msg)  # checked against the guide's, once replayed
-        if msg["done"] or msg["is_observed"] or msg["name"] in self.replayed_sites:
+        if (
+            msg["done"]
+            or msg["is_observed"]
+            or msg["name"] in self.replayed_sites
+            or self._is_point_mass(msg)
+        ):
             return
-        if is_delta(msg["fn"]):
-            return  # drawn as usual: its one value, with its parents' particle dims
         if msg["infer"].get("enumerate") == "sequential":
             check_sequential_summable(msg)
             warn_summed_in_parallel(msg["name"])
@@ -240,7 +267,7 @@ class TMCMessenger(EnumMessenger):
         elif group_name(msg) is not None:
             target_dim, id_, value = self._draw_in_group(msg, param_dims)
         else:
-            target_dim, id_ = self._allocate(msg, param_dims)
+            target_dim, id_ = self._planned_dim(msg, param_dims) or self._allocate_unplanned(msg, param_dims)
             check_no_dim_conflict(msg, target_dim)
             value, draw = self._draw(msg, param_dims, target_dim)
             msg["infer"]["_tmc_draw"] = draw
@@ -257,6 +284,16 @@ class TMCMessenger(EnumMessenger):
         msg["value"] = value
         msg["done"] = True
 
+    def _is_point_mass(self, msg: Message) -> bool:
+        """
+        Whether a site to draw is a Delta, drawn as usual: its one value, with its
+        parents' particle dims. Under ``chain_dims`` every site to draw, a Delta
+        too, is first checked to read no recycled dim ambiguously.
+        """
+        if self.chain_dims is not None:
+            self.chain_dims.check_reads(msg, self._chain_holders)
+        return is_delta(msg["fn"])
+
     def _allocate(self, msg: Message, param_dims: Dict[int, int], recyclable: Optional[bool] = None):
         """
         A particle dim and id for the site. A site inside a markov context may
@@ -269,13 +306,39 @@ class TMCMessenger(EnumMessenger):
         """
         if recyclable is None:
             recyclable = msg["infer"].get("_markov_scope") is not None
-        target_dim, id_ = allocate_particle_dim(self.reserved_dims.union(param_dims), recyclable=recyclable)
+        target_dim, id_ = allocate_particle_dim(self._taken_dims.union(param_dims), recyclable=recyclable)
         if -target_dim > MAX_TENSOR_DIMS:
-            raise ValueError(
+            unscoped = self.unscoped_latents
+            named = ", ".join(f"'{name}'" for name in unscoped[:3]) + (", ..." if len(unscoped) > 3 else "")
+            raise ParticleDimsExhausted(
                 f"Site '{msg['name']}' needs particle dim {target_dim}, but a tensor holds at most "
-                f"{MAX_TENSOR_DIMS} dims. Wrap sequential latents in pyro.markov (in the model "
-                "and the guide) so that particle dims are recycled."
+                f"{MAX_TENSOR_DIMS} dims: {len(unscoped)} latents here ({named}) are drawn outside "
+                "pyro.markov, each on a particle dim of its own. Wrap sequential latents in "
+                "pyro.markov (in the model and the guide) so that particle dims are recycled."
             )
+        return target_dim, id_
+
+    def _allocate_unplanned(self, msg: Message, param_dims: Dict[int, int]) -> Tuple[int, int]:
+        """:meth:`_allocate`, recording a site outside every markov context (which a plan could serve)."""
+        if msg["infer"].get("_markov_scope") is None:
+            self.unscoped_latents.append(msg["name"])
+        return self._allocate(msg, param_dims)
+
+    def _planned_dim(self, msg: Message, param_dims: Dict[int, int]) -> Optional[Tuple[int, int]]:
+        """
+        The ``(dim, id)`` that ``chain_dims`` gives a site outside every markov
+        context, or ``None``. The dim's last holder leaves the site's scope (the
+        site does not depend on it: :meth:`ChainDims.check_reads`), so that its
+        value's dim is not labelled with the holder's id.
+        """
+        if self.chain_dims is None or msg["infer"].get("_markov_scope") is not None:
+            return None
+        target_dim = self.chain_dims.dim_of(msg)
+        if target_dim is None:
+            return None
+        param_dims.pop(target_dim, None)
+        _, id_ = allocate_particle_dim((), recyclable=True)  # a fresh id; a local allocation moves no dim
+        self._chain_holders.setdefault(target_dim, []).append(msg["name"])
         return target_dim, id_
 
     def _draw_in_group(self, msg: Message, param_dims: Dict[int, int]):
@@ -317,6 +380,8 @@ class TMCMessenger(EnumMessenger):
         replayed_ids = self._replayed_value_ids(msg) if replayed else {}
         own_id = self._replayed_own_id(msg) if replayed else {}
         super()._pyro_post_sample(msg)
+        if replayed and self.check_replayed_dims and isinstance(msg["fn"], TorchDistributionMixin):
+            check_replayed_dims(msg, replayed_ids, self._param_dims.get(msg["name"], {}))
         if msg["name"] in self._model_groups:
             check_model_agrees(msg["name"], self._model_groups.pop(msg["name"]), msg, self.groups)
         if replayed_ids or own_id:
