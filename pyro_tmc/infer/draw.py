@@ -152,7 +152,12 @@ class TMCDraw:
         plan = plan_evaluation(model_trace, scales, settings.max_factor_bytes, settings.program)
         check = settings.broadcast_check
         if check is not None and check.wanted() and not settings.joint:
-            run_probe(lambda probe: traces_of_one_draw(model, guide, args, kwargs, probe), settings)
+            run_probe(
+                lambda probe: traces_of_one_draw(model, guide, args, kwargs, probe),
+                settings,
+                model_trace,
+                guide_trace,
+            )
             check.done = True
         return cls(model_trace, guide_trace, plan, settings, live_trace, leaves)
 
