@@ -30,7 +30,7 @@ from torch.utils.checkpoint import checkpoint
 from pyro.ops.contract import contract_to_tensor
 from pyro.ops.rings import LogRing
 
-from .log_einsum import safe_logsumexp, sequential_log_matmul_exp
+from .log_einsum import logsumexp_to_precision, safe_logsumexp, sequential_log_matmul_exp
 from .shapes import packed_view
 
 
@@ -625,7 +625,8 @@ def _is_one_global_sum(tensors, sum_dims, plates) -> bool:
 def _contract_one_global_sum(tensors, sum_dims, plate_scales) -> torch.Tensor:
     """
     ``log sum_k prod_f prod_plates exp(f)``: each factor's plate products are
-    sums of logs (scaled by the plates' scales), then one logsumexp over k. The
+    sums of logs (scaled by the plates' scales), then one logsumexp over k, to the
+    dtype's precision (:func:`~pyro_tmc.log_einsum.logsumexp_to_precision`). The
     same value as the general contraction, without its planning.
     """
     total = 0.0
@@ -639,4 +640,5 @@ def _contract_one_global_sum(tensors, sum_dims, plate_scales) -> torch.Tensor:
         total = total + term.reshape(-1) if sum_dims else total + term
     if not sum_dims:
         return total if isinstance(total, torch.Tensor) else torch.zeros(())
-    return safe_logsumexp(total, [0])
+    # the joint samples' log weights lie far apart: exact weights would be subnormal
+    return logsumexp_to_precision(total, [0])

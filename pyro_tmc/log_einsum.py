@@ -110,6 +110,31 @@ def _logsumexp(
     return safe_log(exp(x - shift).sum(dims)) + shift.squeeze(dims)
 
 
+def logsumexp_to_precision(x: torch.Tensor, dims: Sequence[int]) -> torch.Tensor:
+    """
+    :func:`safe_logsumexp` to ``x``'s precision: a term below ``eps / n`` times the
+    largest (``n`` terms summed, ``eps`` the dtype's) is 0, in the value and in the
+    gradient. Together those terms are below ``eps`` of the sum, so the value moves by
+    less than ``eps`` (absolute, on the log), and each dropped term's softmax weight,
+    the factor by which its term's gradient enters, is below ``eps / n``.
+
+    Why: a weight far below 1 scales every gradient that flows back through its term.
+    The log weights of IWAE's joint samples, each a sum over a whole batch, lie tens to
+    hundreds of nats apart. An exact weight of ``exp(-95)`` is subnormal in float32,
+    and one of ``exp(-70)`` turns the products of the networks' backward subnormal;
+    a matrix product over subnormal operands runs many times slower on CPUs.
+    Where every term lies within ``log(n / eps)`` of the largest (19 nats for 20
+    float32 terms) this is the exact logsumexp.
+
+    :param torch.Tensor x: log terms.
+    :param dims: the dims summed out.
+    """
+    dims = list(dims)
+    terms = math.prod(x.shape[d] for d in dims)
+    floor = math.log(torch.finfo(x.dtype).eps / max(terms, 1))
+    return _logsumexp(x, dims, functools.partial(_exp_above, floor=floor))
+
+
 def exp_or_zero(x: torch.Tensor) -> torch.Tensor:
     """
     ``exp(x)``, with every result below twice the dtype's smallest normal number
@@ -119,7 +144,11 @@ def exp_or_zero(x: torch.Tensor) -> torch.Tensor:
     -708), and a shifted operand of a stiff product (Fig. 4's chain early in
     training) is mostly such values.
     """
-    floor = math.log(2 * torch.finfo(x.dtype).tiny)
+    return _exp_above(x, math.log(2 * torch.finfo(x.dtype).tiny))
+
+
+def _exp_above(x: torch.Tensor, floor: float) -> torch.Tensor:
+    """``exp(x)`` where ``x >= floor``, else exactly 0 with gradient 0 (no subnormal either way)."""
     return x.clamp(min=floor).exp().masked_fill(x < floor, 0.0)
 
 
