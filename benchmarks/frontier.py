@@ -1,8 +1,11 @@
 """pyro_tmc against what a careful engineer writes by hand, side by side in one process.
 
     python benchmarks/frontier.py --quick                # a smoke run (CPU, < 1 minute)
-    python benchmarks/frontier.py                        # CPU, 1 thread
-    python benchmarks/frontier.py --device cuda --out frontier_cuda.md
+    python benchmarks/frontier.py --out benchmarks/results/frontier_cpu.md     # CPU, 1 thread
+    python benchmarks/frontier.py --device cuda --out frontier_cuda.md        # see gpu_check.sh
+
+The current results: ``benchmarks/results/frontier_cpu.md`` (CPU) and
+``benchmarks/results/cuda_<card>/`` (GPUs); ``docs/performance.md`` reads them.
 
 Cases (each timed as one forward + backward step):
 

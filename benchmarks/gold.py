@@ -52,7 +52,7 @@ Metrics, over every dimension of every gold parameter: the posterior-mean error 
 1 torch thread). Targets (issue 20): mean error 0.02 on average and 0.1 worst; sds within 3% on
 average and 10% worst. The gold's own Monte Carlo error is about 0.003 gold sd.
 
-The table (``--out``, default ``benchmarks/gold.md``) is rewritten after every (model, method), so a
+The table (``--out``, default ``benchmarks/results/gold.md``) is rewritten after every (model, method), so a
 killed run keeps its rows; the plot of error against wall time goes to ``--figure``
 (default ``docs/figures/gold.png``; ``--plot-only`` redraws it from the table).
 
@@ -939,7 +939,7 @@ def main(argv=None) -> List[Dict]:
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--quick", action="store_true", help="short training and read-out (a smoke run)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=os.path.join(HERE, "gold.md"), help="the markdown table")
+    parser.add_argument("--out", default=os.path.join(HERE, "results", "gold.md"), help="the markdown table")
     parser.add_argument("--figure", default=os.path.join(HERE, "..", "docs", "figures", "gold.png"))
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--plot-only", action="store_true", help="redraw --figure from the table at --out")

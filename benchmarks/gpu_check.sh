@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The device check run on a lent GPU (see BENCHMARKS.md): CUDA tests, the frontier
-# (chain first: the GPU targets) and the side-by-side grid, each under its own limit.
+# The device check run on a lent GPU (see BENCHMARKS.md): the CUDA tests and the frontier
+# (chain first: the GPU targets), each under its own limit.
+# Its files replace those of benchmarks/results/cuda_<card>/ (one folder per card, the latest run).
 # Expects the pyro-ppl, pyro-api, funsor and makefun wheels in .whl/ (the GPU image has no Pyro).
 # The MNIST 3 x 6 grid gets a call of its own: benchmarks/gpu_vae_grid.sh.
 set -o pipefail

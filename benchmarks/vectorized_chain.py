@@ -3,6 +3,8 @@
     python benchmarks/vectorized_chain.py                 # CPU, 1 thread, N=100 and N=1000, K=32
     python benchmarks/vectorized_chain.py --quick         # a smoke run
 
+The current results: ``benchmarks/results/vectorized_chain_cpu.md``.
+
 The chain of ``benchmarks/frontier.py`` (``z_i ~ N(z_{i-1}, 1/N)``, ``x ~ N(z_N, 1)``, a
 factorised guide with a learnable loc / log-scale per step) written with
 :func:`pyro.contrib.funsor.vectorized_markov`: one sample statement for steps 2..N, so the
