@@ -57,7 +57,8 @@ killed run keeps its rows; the plot of error against wall time goes to ``--figur
 (default ``docs/figures/gold.png``; ``--plot-only`` redraws it from the table).
 
 Measured (2026-11-26, this 2-core CPU shared with other jobs, 1 thread, seed 0; times are rough),
-the ``tmc`` rows; every row, and why the misses miss, are in BENCHMARKS.md, section "Issue 20":
+the ``tmc`` rows; every row, and why the misses miss, are in the archived work log
+(``benchmarks/HISTORY.md``, section "Issue 20"):
 
 | model | read-out | time (s) | mean err. avg / worst | abs(sd ratio - 1) avg / worst | targets |
 | --- | --- | --- | --- | --- | --- |
@@ -391,8 +392,8 @@ class MeanFieldGuide:
     unconstrained space pushed through the support's bijection, in the model's plates, and the
     model's chain sites inside ``pyro.markov`` (so that TMC recycles their particle dims, as in the
     model). Unlike ``AutoNormal`` it emits no ``Delta`` sites, so every latent has its own particles
-    under ``IWAE_ELBO`` too (whose read-out of ``Delta`` sites in plates fails: see BENCHMARKS.md,
-    issue 20), and it runs chains longer than a tensor's 64 dims.
+    under ``IWAE_ELBO`` too (whose read-out of ``Delta`` sites in plates fails: see
+    benchmarks/HISTORY.md, issue 20), and it runs chains longer than a tensor's 64 dims.
 
     :param Problem problem: the model, its data and its chain sites.
     :param float init_scale: the unconstrained scales at the start.
@@ -492,7 +493,7 @@ def brownian_motion_exact_moments(observed: torch.Tensor, log_scales: Optional[S
     likelihood; the locs' moments are those of the mixture over the grid. Agrees with importance
     sampling of 400,000 Student-t draws of the log scales to 4 digits. Inference Gym's Stan gold
     differs from it by 0.26 gold sd (the observation scale's mean) and 16% (its sd), 20x its
-    stated standard error: see BENCHMARKS.md, issue 20.
+    stated standard error: see benchmarks/HISTORY.md, issue 20.
 
     :param observed: the observations, NaN where missing.
     :param log_scales: the grids of the innovation and the observation log scale; default 200

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The device check run on a lent GPU (see BENCHMARKS.md): the CUDA tests and the frontier
+# The device check run on a lent GPU (see docs/performance.md): the CUDA tests and the frontier
 # (chain first: the GPU targets), each under its own limit.
 # Its files replace those of benchmarks/results/cuda_<card>/ (one folder per card, the latest run).
 # Expects the pyro-ppl, pyro-api, funsor and makefun wheels in .whl/ (the GPU image has no Pyro).

@@ -41,7 +41,8 @@ At ``--qem-lr 0.3`` on radon, the bound: reached at 3 against 11 (0.27, seed 0) 
 TMC-VI runs): at 1 (0.09, seed 0) and at 2 (0.25, seed 1), the target met in both seeds. On the bus
 breakdowns 0.3 collapses the guide (its 59-dim ``phi`` has about one effective particle at K = 10).
 
-BENCHMARKS.md ("QEM iterations", under issue 20) reads these rows and the step-size runs beside them.
+The archived work log (``benchmarks/HISTORY.md``, "QEM iterations", under issue 20) reads these rows
+and the step-size runs beside them.
 """
 
 import argparse

@@ -5,10 +5,10 @@ Build (from the repository root, after ``pip install -e ".[docs]"``)::
 
     python -m sphinx -W --keep-going -b html docs docs/_build/html
 
-The pages reuse the repository's own text: README.md, API.md, RESULTS.md and BENCHMARKS.md are
-included by section (between ``<!-- docs:... -->`` markers or headings), and the notebooks in
-``tutorials/`` are copied to ``docs/tutorials/`` at every build and rendered with their saved
-outputs, never executed.
+The pages reuse the repository's own text: README.md, API.md and RESULTS.md are included by
+section (between ``<!-- docs:... -->`` markers or headings), and the notebooks in ``tutorials/``
+are copied to ``docs/tutorials/`` at every build and rendered with their saved outputs, never
+executed. The benchmarks' archived work log (benchmarks/HISTORY.md) is not part of the site.
 """
 
 import importlib.util
@@ -78,7 +78,6 @@ PAGES = {
     "README.md": "index.md",
     "API.md": "interface.md",
     "RESULTS.md": "results.md",
-    "BENCHMARKS.md": "benchmarks.md",
     "tutorials": "tutorials.md",
     "tutorials/": "tutorials.md",
 }

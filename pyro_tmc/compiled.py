@@ -61,13 +61,13 @@ MODES = (None, "graph", "inductor")
 #: captured step many nodes read the same buffer, and for each buffer inductor's fusion search
 #: tries every node against its next 64 (default): 250k candidate pairs, a quarter of the
 #: compile, for Fig. 4's 1,000-link chain. 16 cut its compile from 100 s to 80 s, with the
-#: same replay time (benchmarks/BENCHMARKS.md, "Issue 19, eighth part").
+#: same replay time (benchmarks/HISTORY.md, "Issue 19, eighth part").
 INDUCTOR_SETTINGS = {"max_fusion_buffer_group_pairwise_attempts": 16}
 
 #: inductor settings tried first for a captured step on the CPU (:func:`compile_captured_graph`),
 #: unless ``compile_options`` set them: the code that calls the kernels written in C++ rather
 #: than Python. A replay then skips Python's ~10 us per kernel and library call, and g++ compiles
-#: one file instead of one per kernel (benchmarks/BENCHMARKS.md, "Issue 19, thirteenth part":
+#: one file instead of one per kernel (benchmarks/HISTORY.md, "Issue 19, thirteenth part":
 #: the small MNIST VAE 0.858-0.864x -> 0.828-0.865x Pyro's RenyiELBO, its first calls 54-59 s ->
 #: 45-47 s; the toys 0.47x / 0.77x -> 0.40x / 0.62x a compiled hand-written step).
 CPU_STEP_SETTINGS = {"cpp_wrapper": True}
@@ -77,7 +77,7 @@ CPU_STEP_SETTINGS = {"cpp_wrapper": True}
 #: wrapper (one function with a statement or more per kernel and library call) at -O1, the
 #: kernels still at -O3. g++ at -O3 spent half its time on that one function: Fig. 4's 1,000-link
 #: chain, g++ 12.4-14.8 s -> 9.1-9.6 s and its compiling call 33.8-37.6 s -> 30.9-32.6 s, its
-#: replay unchanged (BENCHMARKS.md, "Issue 19, sixteenth part"). At -O1 each call costs a little
+#: replay unchanged (benchmarks/HISTORY.md, "Issue 19, sixteenth part"). At -O1 each call costs a little
 #: more: the HMM of 200 steps replayed 7% slower (2.48-2.59 -> 2.70-2.71 ms).
 WRAPPER_APART_SETTINGS = {"cpp_wrapper_build_separate": True}
 

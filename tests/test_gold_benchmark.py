@@ -70,7 +70,8 @@ def test_exact_unknown_scales_moments_condition_the_gaussian(fresh_pyro):
     """
     brownian_motion_exact_moments: on a one-point grid it is the Gaussian conditional of the locs
     given the observations (joint covariance, conditioned directly); on the default grid it does not
-    move when the grid is refined, and it differs from the gym's gold by the figures BENCHMARKS.md gives.
+    move when the grid is refined, and it differs from the gym's gold by the figures that
+    benchmarks/HISTORY.md gives.
     """
     pytest.importorskip("inference_gym.targets.ground_truth.brownian_motion_missing_middle_observations")
     benchmark = _load()
