@@ -31,6 +31,7 @@ from pyro.ops.contract import contract_to_tensor
 from pyro.ops.rings import LogRing
 
 from .log_einsum import logsumexp_to_precision, safe_logsumexp, sequential_log_matmul_exp
+from .memory import mark_contraction_step
 from .shapes import packed_view
 
 
@@ -113,6 +114,13 @@ class PlateScaledLogRing(LogRing):
         self._plate_scales = {} if plate_scales is None else plate_scales
 
     def sumproduct(self, terms, dims):
+        try:
+            return self._sumproduct(terms, dims)
+        except RuntimeError as error:  # an allocation failing: say which particles this step sums
+            mark_contraction_step(error, "".join(t._pyro_dims for t in terms))
+            raise
+
+    def _sumproduct(self, terms, dims):
         if len(terms) == 1:  # a plain reduction: cheaper than a log-space einsum
             (term,) = terms
             positions = [i for i, d in enumerate(term._pyro_dims) if d in dims]
@@ -217,7 +225,10 @@ class EliminationGroup(NamedTuple):
 
 
 def elimination_group(
-    lazy: ChunkedFactor, others: Sequence[Union[torch.Tensor, ChunkedFactor]], plates: frozenset
+    lazy: ChunkedFactor,
+    others: Sequence[Union[torch.Tensor, ChunkedFactor]],
+    plates: frozenset,
+    max_message: Optional[int] = None,
 ) -> EliminationGroup:
     """
     The factors that must join ``lazy`` in a message summing out ``lazy.symbol``,
@@ -229,9 +240,54 @@ def elimination_group(
     inside and every factor holding it joins; a dim in fewer plates than ``home``
     (a global) is summed after the product over ``home``, so it is kept.
 
+    The smallest such group keeps every dim of ``home``'s own level that a factor
+    outside it holds: cheap where those are few, but a message over all of them is
+    a product the unchunked contraction never forms (a chunked global that every
+    step of a chain reads keeps the whole chain: K^T elements). Where that message
+    is larger than ``max_message`` elements, those dims are summed inside too (every
+    factor holding them joins; a dim that a pending chunked factor holds is left
+    kept, so that no other chunked factor is built whole), as the unchunked
+    contraction sums them at that level: the message then keeps only the globals.
+
     :param others: every other factor, tensors and pending chunked factors.
+    :param int max_message: the message size, in elements, above which the larger
+        group is taken where its message is smaller; ``None``: the smallest group.
     """
     ordinal = _ordinals([factor_dims(t) for t in others] + [lazy.dims], plates)
+    home = ordinal[lazy.symbol]
+
+    def elsewhere(d: str) -> bool:  # in plates other than home: summed inside, always
+        return not ordinal[d] <= home
+
+    smallest = _group_summing(lazy, others, plates, ordinal, elsewhere)
+    if max_message is None:
+        return smallest
+    sizes = _dim_sizes([lazy, *others])
+    elements = _message_elements(smallest, sizes)
+    if elements <= max_message:
+        return smallest
+    pending = set().union(*(set(t.dims) for t in others if isinstance(t, ChunkedFactor)))
+
+    def not_global(d: str) -> bool:  # and home's own level too, but for pending factors' dims
+        return elsewhere(d) or (ordinal[d] == home and d not in pending)
+
+    widest = _group_summing(lazy, others, plates, ordinal, not_global)
+    return widest if _message_elements(widest, sizes) < elements else smallest
+
+
+def _group_summing(
+    lazy: ChunkedFactor,
+    others: Sequence[Union[torch.Tensor, ChunkedFactor]],
+    plates: frozenset,
+    ordinal: Dict[str, frozenset],
+    summed_inside: Callable[[str], bool],
+) -> EliminationGroup:
+    """
+    The group of :func:`elimination_group` that sums ``lazy.symbol`` and every dim of
+    its factors for which ``summed_inside`` holds (each such dim brings in every
+    factor that holds it); of the rest, it keeps those held outside it or global to
+    ``home``, and sums the others.
+    """
     home = ordinal[lazy.symbol]
     members: List[int] = []
     summed, frontier = {lazy.symbol}, {lazy.symbol}
@@ -242,11 +298,25 @@ def elimination_group(
         ]
         members += joining
         group_dims.update(*(set(factor_dims(others[i])) - plates for i in joining))
-        frontier = {d for d in group_dims - summed if not ordinal[d] <= home}
+        frontier = {d for d in group_dims - summed if summed_inside(d)}
         summed |= frontier
     outside = set().union(*(factor_dims(t) for i, t in enumerate(others) if i not in members))
     kept = {d for d in group_dims - summed if d in outside or ordinal[d] < home}
     return EliminationGroup(members, home, frozenset(kept), frozenset(group_dims - kept))
+
+
+def _dim_sizes(factors: Sequence[Union[torch.Tensor, ChunkedFactor]]) -> Dict[str, int]:
+    """Each dim's length, read from the tensors' shapes and the chunked factors' own dims."""
+    sizes = {t.symbol: t.size for t in factors if isinstance(t, ChunkedFactor)}
+    for t in factors:
+        if isinstance(t, torch.Tensor):
+            sizes.update(zip(t._pyro_dims, t.shape))
+    return sizes
+
+
+def _message_elements(group: EliminationGroup, sizes: Dict[str, int]) -> int:
+    """How many elements the group's message holds: its kept dims and its plates."""
+    return math.prod(sizes.get(d, 1) for d in group.kept | group.home)
 
 
 def eliminate_in_chunks(
@@ -266,7 +336,7 @@ def eliminate_in_chunks(
     :returns: the factors with the group replaced by its message.
     """
     plates = frozenset(plate_scales)
-    members, home, kept, summed = elimination_group(lazy, factors, plates)
+    members, home, kept, summed = elimination_group(lazy, factors, plates, _slice_elements(lazy))
     group = [_materialised(factors[i]) for i in members]
     rest = [t for i, t in enumerate(factors) if i not in members]
     out_dims = "".join(sorted(kept | home))
@@ -294,9 +364,19 @@ def eliminate_in_chunks(
     # peak, only multiply the work (slices x message), so none is.
     sizes = {d: n for t in group + rest if isinstance(t, torch.Tensor) for d, n in zip(t._pyro_dims, t.shape)}
     message_elements = math.prod(sizes.get(d, 1) for d in out_dims)
-    combined = _log_sum_over_slices(message, lazy.ranges(message_elements), group)
+    try:
+        combined = _log_sum_over_slices(message, lazy.ranges(message_elements), group)
+    except RuntimeError as error:  # an allocation failing: say which particles the message sums
+        mark_contraction_step(error, kept | summed)
+        raise
     combined._pyro_dims = out_dims
     return rest + [combined]
+
+
+def _slice_elements(lazy: ChunkedFactor) -> int:
+    """The elements of one slice of ``lazy``: about the budget it was sliced under."""
+    per_particle = max(lazy.numel // lazy.size, 1) if lazy.numel else 1
+    return lazy.chunk * per_particle
 
 
 def _zero_factor(terms: List[torch.Tensor], dims: str) -> torch.Tensor:
@@ -383,16 +463,31 @@ def contract_log_factors(
         per stack (:func:`reduce_chains`).
     :returns: a scalar tensor, the log of the contracted sum-product.
     """
-    plates = frozenset(plate_scales)
     pending = [f for f in factors if isinstance(f, ChunkedFactor)]
     tensors = [f for f in factors if not isinstance(f, ChunkedFactor)]
     while pending:
         chunked = pending.pop(_next_to_eliminate(pending))
-        remaining = eliminate_in_chunks(chunked, tensors + pending, plate_scales)
+        try:
+            remaining = eliminate_in_chunks(chunked, tensors + pending, plate_scales)
+        except RuntimeError as error:  # an allocation failing: say which particles the message sums
+            mark_contraction_step(error, chunked.dims)
+            raise
         pending = [f for f in remaining if isinstance(f, ChunkedFactor)]
         tensors = [f for f in remaining if not isinstance(f, ChunkedFactor)]
     if not tensors:  # no factors at all (an empty model and guide): log 1
         return torch.zeros(())
+    try:
+        return _contract_whole(tensors, plate_scales, stacks)
+    except RuntimeError as error:  # an allocation failing outside a marked step: every dim left
+        mark_contraction_step(error, "".join(t._pyro_dims for t in tensors))
+        raise
+
+
+def _contract_whole(
+    tensors: List[torch.Tensor], plate_scales: Dict[str, float], stacks: Optional[StackedSlices]
+) -> torch.Tensor:
+    """:func:`contract_log_factors` of whole factors (no chunked factor left)."""
+    plates = frozenset(plate_scales)
     sum_dims = set("".join(t._pyro_dims for t in tensors)) - plates
     if _is_one_global_sum(tensors, sum_dims, plates):
         return _contract_one_global_sum(tensors, sum_dims, plate_scales)

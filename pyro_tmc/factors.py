@@ -19,7 +19,7 @@ and :mod:`pyro_tmc.checks` holds the checks.
 """
 
 import math
-from typing import Dict, List, NamedTuple, Optional, Tuple, Union
+from typing import Dict, Iterable, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 
@@ -30,7 +30,7 @@ from pyro.poutine import Trace
 from . import log_density
 from .batched_densities import SiteDensities, site_densities
 from .checks import log_prob_error, packing_error
-from .contraction import ChunkedFactor, contract_log_factors
+from .contraction import ChunkedFactor, contract_log_factors, factor_dims
 from .evaluation import EvaluationPlan
 from .memory import can_chunk, contraction_memory_error, itemsize, naming_the_site, site_memory_error
 from .proposals import proposal_log_k, proposal_log_prob, stops_proposal_density
@@ -283,7 +283,7 @@ def compute_log_factors(
                 densities,
             )
         except RuntimeError as error:
-            named = site_memory_error(error, name, plan.max_factor_bytes)
+            named = site_memory_error(error, name, plan.max_factor_bytes, can_chunk(site))
             if named is None:
                 raise
             raise named from error
@@ -335,11 +335,19 @@ def _whole(term: Union[torch.Tensor, ChunkedFactor]) -> torch.Tensor:
     return term.materialise() if isinstance(term, ChunkedFactor) else term
 
 
-def _largest_factor_error(error: RuntimeError, factors: List[LogFactor]):
-    """:func:`~pyro_tmc.memory.contraction_memory_error` naming the largest of ``factors``."""
+def _largest_factor_error(error: RuntimeError, factors: List[LogFactor], plates: Iterable[str]):
+    """
+    :func:`~pyro_tmc.memory.contraction_memory_error` naming the largest of ``factors``, and
+    each particle dim by the first site whose factor holds it (its own: parents come first).
+    """
     sizes = [f.term.numel if isinstance(f.term, ChunkedFactor) else f.term.numel() for f in factors]
     largest = max(range(len(factors)), key=sizes.__getitem__)
-    return contraction_memory_error(error, factors[largest].site, sizes[largest] * itemsize())
+    owners: Dict[str, str] = {}
+    for f in factors:
+        for d in factor_dims(f.term):
+            owners.setdefault(d, f.site)
+    owners = {d: site for d, site in owners.items() if d not in set(plates)}
+    return contraction_memory_error(error, factors[largest].site, sizes[largest] * itemsize(), owners)
 
 
 def contract_estimate(factors: List[LogFactor], scales: ScalePlan) -> torch.Tensor:
@@ -354,7 +362,7 @@ def contract_estimate(factors: List[LogFactor], scales: ScalePlan) -> torch.Tens
             plate_scales = {s: v for s, v in plate_scales.items() if s not in scales.markov_times}
         estimate = contract_log_factors(terms, plate_scales, stacks)
     except RuntimeError as error:  # an allocation failing is named after the largest factor
-        named = _largest_factor_error(error, factors)
+        named = _largest_factor_error(error, factors, scales.plate_scales)
         if named is None:
             raise
         raise named from error

@@ -13,7 +13,7 @@ import math
 import os
 import re
 from contextlib import contextmanager
-from typing import Iterator, Optional, Union
+from typing import Dict, Iterable, Iterator, Optional, Union
 
 import torch
 
@@ -200,15 +200,27 @@ def factor_memory_error(
     max_factor_bytes,
     available: Optional[int] = None,
     smallest_slice: bool = False,
+    sliceable: bool = True,
 ) -> FactorMemoryError:
     """
     The error for the log-density factor of ``site``, which needs ``needed`` bytes
     (``None``: unknown) where ``available`` are free (``None``: not read), under
-    ``max_factor_bytes``; ``smallest_slice``: ``needed`` is its smallest slice.
+    ``max_factor_bytes``; ``smallest_slice``: ``needed`` is its smallest slice;
+    ``sliceable``: a budget can slice the factor (:func:`can_chunk`), so that a
+    smaller one would help.
     """
     need = f"needs {format_bytes(needed)}" if needed else "does not fit in memory"
     need += " even in its smallest slice" if smallest_slice else ""
     have = f", and {format_bytes(available)} are available" if available is not None else ""
+    if not sliceable:
+        return FactorMemoryError(
+            f"The log-density factor of site '{site}' {need}{have} (max_factor_bytes={max_factor_bytes!r}). "
+            "It cannot be sliced (an observed site's factor, a Delta's, or one of at most 2 particles is "
+            "built whole), so no max_factor_bytes can make it smaller. Give the latents it depends on "
+            "fewer particles (num_samples, or infer={'num_samples': ...}), share one particle dim among "
+            "them (infer={'particle_group': name}), subsample its plates (pyro.plate(..., "
+            "subsample_size=...)), or free memory."
+        )
     if max_factor_bytes is None:
         advice = (
             "Leave max_factor_bytes at 'auto' (the default), or give a budget in bytes, to build "
@@ -226,14 +238,20 @@ def factor_memory_error(
     )
 
 
-def site_memory_error(error: RuntimeError, site: str, max_factor_bytes) -> Optional[FactorMemoryError]:
+def site_memory_error(
+    error: RuntimeError, site: str, max_factor_bytes, sliceable: bool = True
+) -> Optional[FactorMemoryError]:
     """
     The :class:`FactorMemoryError` naming ``site``, the bytes and ``max_factor_bytes``,
     where ``error`` is torch's out-of-memory error (CPU or CUDA); ``None`` for any other
     error. Called from an ``except`` clause, so that the step pays nothing where nothing fails.
+
+    :param bool sliceable: whether a budget can slice the site's factor (:func:`can_chunk`).
     """
     needed = allocation_failure_bytes(error)
-    return None if needed is None else factor_memory_error(site, needed, max_factor_bytes)
+    if needed is None:
+        return None
+    return factor_memory_error(site, needed, max_factor_bytes, sliceable=sliceable)
 
 
 @contextmanager
@@ -248,23 +266,57 @@ def naming_the_site(site: str, max_factor_bytes) -> Iterator[None]:
         raise named from error
 
 
+#: the attribute of an exception raised while contracting that holds the packed dims of the
+#: step that raised it (:func:`mark_contraction_step`)
+STEP_DIMS = "_pyro_tmc_step_dims"
+
+#: at most this many sites are named in :func:`contraction_memory_error`
+MAX_SITES_NAMED = 8
+
+
+def mark_contraction_step(error: BaseException, dims: Iterable[str]) -> None:
+    """
+    Record on ``error`` the packed dims of the contraction step it was raised in (the
+    innermost step: a mark already there stays), for :func:`contraction_memory_error`.
+    """
+    if getattr(error, STEP_DIMS, None) is None:
+        try:
+            setattr(error, STEP_DIMS, "".join(sorted(set(dims))))
+        except AttributeError:  # an exception type without a __dict__: no mark, no names
+            pass
+
+
 def contraction_memory_error(
-    error: RuntimeError, site: str, factor_bytes: int
+    error: RuntimeError, site: str, factor_bytes: int, owners: Optional[Dict[str, str]] = None
 ) -> Optional[FactorMemoryError]:
     """
-    The :class:`FactorMemoryError` naming the largest factor (``site``'s, of
-    ``factor_bytes``), where ``error`` is torch's out-of-memory error raised while
+    The :class:`FactorMemoryError` for torch's out-of-memory ``error`` raised while
     contracting, whose intermediates no one site owns; ``None`` for any other error.
+    It names the largest factor (``site``'s, of ``factor_bytes``) and, where the step
+    that failed is known (:func:`mark_contraction_step`), the sites whose particles it
+    sums (``owners``: particle symbol -> site). A budget slices factors, and slicing
+    never makes the contraction hold more than it would whole, so no other
+    ``max_factor_bytes`` can help: the advice is what would.
     """
     needed = allocation_failure_bytes(error)
     if needed is None:
         return None
+    owners = {} if owners is None else owners
+    step_dims = getattr(error, STEP_DIMS, None) or ""
+    names = list(dict.fromkeys(owners[d] for d in step_dims if d in owners))
+    if len(names) > MAX_SITES_NAMED:
+        names = names[:MAX_SITES_NAMED] + [f"{len(names) - MAX_SITES_NAMED} more"]
+    over = f", in a sum over the particles of {', '.join(repr(n) for n in names)}" if names else ""
+    those = "those sites" if names else "the sites"
     return FactorMemoryError(
-        f"Contracting the log factors failed to allocate {format_bytes(needed)}; the largest factor "
-        f"is site '{site}''s, {format_bytes(factor_bytes)}. max_factor_bytes ('auto' by default) "
-        "bounds each factor, and slices it along its site's particle dim; what the contraction "
-        "keeps of it (a message over the other latents' particles) is not sliced. Give a smaller "
-        "max_factor_bytes, the sites fewer particles (num_samples), or subsample the plates."
+        f"Contracting the log factors failed to allocate {format_bytes(needed)}{over}; the largest "
+        f"factor is site '{site}''s, {format_bytes(factor_bytes)}. The contraction needs that much at "
+        "once: max_factor_bytes bounds the factors, and slicing them never makes the contraction hold "
+        "more than it would unsliced, so no max_factor_bytes can make this step smaller. Give "
+        f"{those} fewer particles (num_samples, or infer={{'num_samples': ...}} on their guide sites), "
+        "share one particle dim among sites that meet in a factor (infer={'particle_group': name}), "
+        "subsample the plates (pyro.plate(..., subsample_size=...)), or free memory: this step alone "
+        f"takes {format_bytes(needed)}."
     )
 
 

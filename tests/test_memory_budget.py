@@ -16,7 +16,9 @@ import torch
 
 import pyro
 import pyro.distributions as dist
+from pyro import poutine
 from pyro.infer import TraceEnum_ELBO
+from pyro.infer.autoguide import AutoNormal
 from pyro.ops.indexing import Vindex
 
 from pyro_tmc import TMC_ELBO
@@ -513,3 +515,202 @@ def test_chunked_factor_checked_slice_by_slice(monkeypatch):
     monkeypatch.setattr(ChunkedFactor, "materialise", lambda self: pytest.fail("materialised"))
     with pyro.validation_enabled(False), pytest.raises(ValueError, match="site 'z' contains NaN"):
         TMC_ELBO(16, max_plate_nesting=1, max_factor_bytes=256).loss(nan_model, _toy_guide, torch.randn(8))
+
+
+# -- R4 of issue 42: what a chunked elimination keeps is bounded too -----------------------------
+
+
+def chain_read_by_global_model(data, num_steps=5):
+    """
+    A prior-drawn global c that every step of a chain reads, beside a global g and a plate with
+    a nested plate. Eliminating c's chunked factor first, keeping what other factors hold, kept a
+    message over every step's particles: K^T, where the unchunked contraction holds K^2 or K^3.
+    """
+    with poutine.scale(scale=2.0):
+        c = pyro.sample("c", dist.Categorical(torch.tensor([0.2, 0.5, 0.3])))
+        shift = Vindex(torch.tensor([-0.5, 0.0, 0.5]))[..., c]
+        g = pyro.sample("g", dist.Normal(0.0, 3.0))
+        with pyro.plate("A", data["x"].shape[-1], dim=-1):
+            z = pyro.sample("z", dist.Normal(0.8 * g, 1.0))
+            pyro.sample("x", dist.StudentT(3.0, z, 0.1), obs=data["x"])
+            with pyro.plate("B", data["y"].shape[-2], dim=-2):
+                u = pyro.sample("u", dist.Normal(z, 0.5))
+                pyro.sample("y", dist.Normal(u, 1.0), obs=data["y"])
+        h = 0.0
+        for t in pyro.markov(range(num_steps)):
+            h = pyro.sample(f"h_{t}", dist.Normal(h, 1.0))
+            pyro.sample(f"o_{t}", dist.Normal(h + shift, 0.3), obs=data["o"][t])
+
+
+def chain_guide(data, num_steps=5):
+    """A hand-written guide for the chain (its factors are then chunked too)."""
+    with poutine.scale(scale=2.0):
+        for t in pyro.markov(range(num_steps)):
+            loc = pyro.param("h_loc", torch.zeros(num_steps))[t]
+            pyro.sample(f"h_{t}", dist.Normal(loc, 1.2))
+
+
+def _chain_read_by_global_guide(kind):
+    """AutoNormal for every latent but c, or for g, z and u beside :func:`chain_guide`."""
+    if kind == "autonormal":
+        return AutoNormal(poutine.block(chain_read_by_global_model, hide=["c"]), init_scale=1.5)
+    auto = AutoNormal(poutine.block(chain_read_by_global_model, expose=["g", "z", "u"]), init_scale=1.5)
+
+    def guide(data):
+        chain_guide(data)
+        auto(data)
+
+    return guide
+
+
+def _chain_data():
+    generator = torch.Generator().manual_seed(0)
+    return {
+        "x": torch.randn(6, generator=generator),
+        "y": torch.randn(2, 6, generator=generator),
+        "o": torch.randn(5, generator=generator),
+    }
+
+
+@pytest.mark.parametrize("guide_kind", ["autonormal", "mixed"])
+def test_chunked_global_read_by_a_chain_keeps_a_small_message(guide_kind, monkeypatch):
+    """
+    R4 of issue 42: with max_factor_bytes=64 (K=128), c's chunked factor kept a message over all
+    8 steps' particles and asked for 137.4 GB, where the unchunked contraction held 3.3 MB. Now a
+    message larger than a slice sums the steps inside it too, as the unchunked contraction does:
+    every message is no larger than the largest factor, and value and gradients are the
+    unbudgeted ones (here at K=16 and 5 steps, where the old message was 16^5 elements).
+    """
+    from pyro_tmc import contraction
+
+    largest_message = []
+    eliminate = contraction.eliminate_in_chunks
+
+    def recording(*args):
+        remaining = eliminate(*args)
+        largest_message.append(remaining[-1].numel())
+        return remaining
+
+    monkeypatch.setattr(contraction, "eliminate_in_chunks", recording)
+    data = _chain_data()
+    results = []
+    for budget in [None, 64, 16, 8]:
+        pyro.clear_param_store()
+        guide = _chain_read_by_global_guide(guide_kind)
+        pyro.set_rng_seed(1)  # a fresh guide each time: its setup draws the same, and so the particles
+        elbo = TMC_ELBO(16, max_plate_nesting=2, max_factor_bytes=budget)
+        loss = elbo.differentiable_loss(chain_read_by_global_model, guide, data)
+        params = [pyro.param(name).unconstrained() for name in sorted(pyro.get_param_store().keys())]
+        results.append((loss.detach(), torch.autograd.grad(loss, params)))
+    (expected, expected_grads), *budgeted = results
+    for loss, grads in budgeted:
+        assert torch.allclose(loss, expected, rtol=1e-5)
+        for grad, expected_grad in zip(grads, expected_grads):
+            assert torch.allclose(grad, expected_grad, rtol=1e-4, atol=1e-5)
+    assert largest_message, "nothing was chunked: the test lost its subject"
+    largest_factor = 16 * 16 * 2 * 6  # u's log p: its particles, z's, and the plates
+    assert max(largest_message) <= largest_factor, largest_message
+
+
+def test_elimination_group_sums_a_chain_that_a_chunked_global_reads():
+    """
+    The group that eliminates a chunked global read by every step of a chain: the smallest keeps
+    every step (a message of K^T elements); past the slice's size, the steps are summed inside.
+    """
+    from pyro_tmc.contraction import ChunkedFactor, elimination_group
+
+    K, T = 4, 6
+    steps = "hijklm"[:T]
+
+    def packed(dims):
+        term = torch.zeros((K,) * len(dims))
+        term._pyro_dims = dims
+        return term
+
+    lazy = ChunkedFactor("c", "x", "x", K, 2, lambda a, b: packed("x").narrow(0, a, b - a), K)
+    others = [packed("x" + s) for s in steps] + [packed(a + b) for a, b in zip(steps, steps[1:])]
+    smallest = elimination_group(lazy, others, frozenset())
+    assert smallest.kept == frozenset(steps)  # K^T: what the old code kept
+    bounded = elimination_group(lazy, others, frozenset(), max_message=2)
+    assert bounded.kept == frozenset() and sorted(bounded.members) == list(range(len(others)))
+    # a dim that a pending chunked factor holds stays kept: that factor is not built whole
+    pending = ChunkedFactor("h_0", "h", "h", K, 2, lambda a, b: packed("h").narrow(0, a, b - a), K)
+    with_pending = elimination_group(lazy, others + [pending], frozenset(), max_message=2)
+    assert with_pending.kept == frozenset("h") and len(others) not in with_pending.members
+
+
+# Four globals, each pair of them read by an observation: eliminating any one keeps the other
+# three (treewidth 3), so every order of the contraction holds a K^3 message; under a limited
+# address space the error names the sites and the bytes, and advises what can help.
+CONTRACTION_CHILD = textwrap.dedent(
+    """
+    import itertools, json, os, resource, sys
+    import torch, pyro, pyro.distributions as dist
+    from pyro_tmc import TMC_ELBO
+
+    num_samples, limit = (int(a) for a in sys.argv[1:3])
+    with open("/proc/self/statm") as statm:
+        mapped = int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    resource.setrlimit(resource.RLIMIT_AS, (mapped + limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+    NAMES = ["a", "b", "c", "d"]
+
+    def model():
+        g = {n: pyro.sample(n, dist.Normal(0.0, 1.0)) for n in NAMES}
+        for i, j in itertools.combinations(NAMES, 2):
+            pyro.sample(f"x_{i}{j}", dist.Normal(g[i] - g[j], 1.0), obs=torch.tensor(0.5))
+
+    def guide():
+        for n in NAMES:
+            pyro.sample(n, dist.Normal(0.0, 1.5))
+
+    def observed_model():  # one observation reads three globals: a K^3 factor that cannot be sliced
+        g = {n: pyro.sample(n, dist.Normal(0.0, 1.0)) for n in NAMES}
+        scale = g["c"].exp()  # (views in the model: only the log density is K^3)
+        pyro.sample("x", dist.Normal(g["a"] + g["b"], scale), obs=torch.tensor(0.5))
+
+    def error(model, budget):
+        try:
+            TMC_ELBO(num_samples, max_plate_nesting=0, max_factor_bytes=budget).loss(model, guide)
+        except MemoryError as e:
+            return [type(e).__name__, str(e)]
+        return None
+
+    out = {"contraction": [error(model, budget) for budget in (None, 64)]}
+    with pyro.validation_enabled(False):  # its support check alone would hold K^3 booleans
+        out["observed"] = error(observed_model, 64)
+    print(json.dumps(out))
+    """
+)
+
+
+@pytest.mark.skipif(not LINUX, reason="limits the address space through Linux's /proc and RLIMIT_AS")
+def test_contraction_memory_error_names_what_helps():
+    """
+    R4 of issue 42: a contraction that cannot fit said "Give a smaller max_factor_bytes", which
+    cannot help. Now, with and without a budget, the error gives the bytes the step needs, names
+    the sites whose particles it sums, and advises fewer particles, particle groups, subsampling
+    or more memory; so does a factor that cannot be sliced. (K=512: a 537 MB message or factor,
+    in 256 MB of address space to spare.)
+    """
+    num_samples = 512
+    out = subprocess.run(
+        [sys.executable, "-c", CONTRACTION_CHILD, str(num_samples), str(256 * 2**20)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = json.loads(out.stdout.strip().splitlines()[-1])
+    for budget, result in zip((None, 64), results["contraction"]):
+        assert result is not None, f"max_factor_bytes={budget}: the K^3 message fit in the limit"
+        kind, message = result
+        assert kind == "FactorMemoryError", message
+        assert "smaller max_factor_bytes" not in message, message
+        assert "Contracting the log factors" in message, message
+        assert all(f"'{name}'" in message for name in "abcd"), message
+        assert "particle_group" in message and "num_samples" in message, message
+        assert "(536870912 bytes)" in message  # the bytes the step needs: K^3 float32
+    # a factor that no budget can slice (an observation's) says so, not "a smaller max_factor_bytes"
+    kind, message = results["observed"]
+    assert kind == "FactorMemoryError" and "site 'x'" in message and "(536870912 bytes)" in message
+    assert "cannot be sliced" in message and "smaller max_factor_bytes" not in message, message
