@@ -21,7 +21,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.fuzz", description=__doc__.splitlines()[0])
     parser.add_argument("--cases", type=int, default=200, help="how many cases (seeds seed..seed+cases-1)")
     parser.add_argument("--seed", type=int, default=0, help="the first seed")
-    parser.add_argument("--family", default=None, help="only this family (enum, brute, twin, general, gauss)")
+    parser.add_argument(
+        "--family",
+        default=None,
+        help="only this family (enum, brute, twin, general, gauss; budget only when named)",
+    )
     parser.add_argument("--oracle", action="append", default=None, help="only these oracles (repeatable)")
     parser.add_argument("--show", type=int, default=None, help="print the case of this seed and its checks")
     parser.add_argument(

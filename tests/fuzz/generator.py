@@ -18,6 +18,11 @@ Families (each picks the structures its oracles can judge exactly):
 - ``"general"``: everything (sampled, non-factorised and AutoGuide guides, priors as
   proposals); judged by float32 against float64 and by invariances.
 - ``"gauss"``: linear-Gaussian models with an exact ``log p(x)`` (unbiasedness).
+- ``"budget"`` (drawn only when asked for: :data:`EXTRA_FAMILIES`): globals, plates (often
+  nested) and a short ``pyro.markov`` chain that reads a global, under AutoGuides (``AutoNormal``,
+  ``AutoDelta``, ``AutoDiagonalNormal``, chain sites included) beside prior-drawn, enumerated and
+  hand-guided latents, with tiny ``max_factor_bytes``; the unbudgeted value and gradients on the
+  same draws are the oracle (R4 of issue 42: a chunked global that a chain reads kept K^T).
 """
 
 import copy
@@ -32,6 +37,11 @@ CONTINUOUS = ("Normal", "Gamma", "Dirichlet")
 NUM_CATEGORIES = 3
 FAMILIES = ("enum", "brute", "twin", "general", "gauss")
 FAMILY_WEIGHTS = (0.3, 0.2, 0.15, 0.3, 0.05)
+#: families drawn only when asked for (``--family budget``), so that adding one does not move the
+#: seeds of the others; ``test_fuzz.py`` runs a few seeds of each
+EXTRA_FAMILIES = ("budget",)
+#: the longest chain of the budget family (AutoNormal on long chains is R5's: keep clear of it)
+BUDGET_MAX_CHAIN = 12
 
 PRELUDE = """\
 import torch
@@ -39,7 +49,13 @@ import pyro
 import pyro.distributions as dist
 from pyro import poutine
 from pyro.distributions import constraints
-from pyro.infer.autoguide import AutoDelta, AutoMultivariateNormal, AutoNormal, init_to_feasible
+from pyro.infer.autoguide import (
+    AutoDelta,
+    AutoDiagonalNormal,
+    AutoMultivariateNormal,
+    AutoNormal,
+    init_to_feasible,
+)
 from pyro.ops.indexing import Vindex
 
 ENUM = {"enumerate": "parallel"}
@@ -201,6 +217,10 @@ def _treatment(rng: random.Random, family: str, kind: str, level: str) -> str:
         return rng.choice(("guide", "guide", "delta", "prior"))
     if family == "gauss":
         return rng.choice(("guide", "prior", "nonfact"))
+    if family == "budget":  # prior-drawn and enumerated latents are the ones a budget slices most
+        if discrete:
+            return rng.choice(("prior", "prior", "enum", "guide", "genum"))
+        return rng.choice(("auto", "auto", "guide", "prior", "nonfact", "delta"))
     # general
     if discrete:
         return rng.choice(("enum", "guide", "prior", "genum"))
@@ -238,7 +258,7 @@ def _draw_structure(rng: random.Random, seed: int, family: str) -> Optional[Spec
         return site
 
     # globals: 0-2 latents, each may read the ones before it
-    num_globals = rng.choice((0, 1, 1, 2)) if not tiny else rng.choice((0, 1, 1, 2))
+    num_globals = rng.choice((0, 1, 1, 2)) if family != "budget" else rng.choice((1, 1, 2))
     for g in range(num_globals):
         earlier = [s.name for s in sites]
         parents = rng.sample(earlier, k=min(len(earlier), rng.choice((0, 1))))
@@ -248,6 +268,8 @@ def _draw_structure(rng: random.Random, seed: int, family: str) -> Optional[Spec
     structure = rng.choice(("plate", "plate", "chain", "both")) if family != "twin" else "plate"
     if family == "gauss":
         structure = rng.choice(("plate", "chain", "both"))
+    if family == "budget":
+        structure = "both"
     if structure in ("plate", "both"):
         _draw_plates(rng, spec, family, tiny, stiff, add, global_names)
     if structure in ("chain", "both"):
@@ -262,7 +284,8 @@ def _draw_structure(rng: random.Random, seed: int, family: str) -> Optional[Spec
         _prior_predictive_data(rng, spec)
     if family == "brute" and _num_combinations(spec) > 4096:
         return None
-    if spec.autoguide == "AutoMultivariateNormal" and any(p.batch != p.size for p in spec.plates):
+    joint = ("AutoMultivariateNormal", "AutoDiagonalNormal")
+    if spec.autoguide in joint and any(p.batch != p.size for p in spec.plates):
         spec.autoguide = "AutoNormal"
     spec.features = sorted(features_of(spec))
     return spec
@@ -376,7 +399,7 @@ def _prior_predictive_data(rng: random.Random, spec: Spec) -> None:
 
 
 def _draw_plates(rng, spec, family, tiny, stiff, add, global_names):
-    nested = rng.random() < (0.3 if not tiny else 0.2) and family != "twin"
+    nested = rng.random() < {"brute": 0.2, "budget": 0.6}.get(family, 0.3) and family != "twin"
     big = stiff and rng.random() < 0.5
     sizes = (1, 2, 3, 4, 5) if not tiny else (1, 2)
     if family == "gauss":
@@ -414,6 +437,8 @@ def _draw_plates(rng, spec, family, tiny, stiff, add, global_names):
 
 def _draw_subsample(rng, plate, family):
     choice = rng.choice(("none", "none", "size", "indices"))
+    if family == "budget":  # seldom: AutoGuides then leave the plates to the hand-written guide
+        choice = rng.choice(("none",) * 6 + ("size", "indices"))
     if family == "twin":
         choice = rng.choice(("size", "indices", "indices"))
     if choice == "size" and plate.size > 1:
@@ -445,6 +470,8 @@ def _draw_chain(rng, spec, family, tiny, stiff, add, global_names):
     length = rng.choice((1, 2, 3, 4)) if not tiny and family != "gauss" else rng.choice((1, 2))
     if stiff:
         length = rng.choice((6, 12))
+    if family == "budget":
+        length = rng.choice((2, 3, 4, 6, 8, BUDGET_MAX_CHAIN))
     history = rng.choice((1, 2))
     chain = Chain(length, history)
     if family not in ("enum",):
@@ -454,14 +481,23 @@ def _draw_chain(rng, spec, family, tiny, stiff, add, global_names):
     kind = "Normal" if family == "gauss" else rng.choice(("Normal", "Normal", "Categorical", "Bernoulli"))
     if stiff:
         kind = "Normal"
+    if family == "budget":  # mostly continuous: an AutoGuide's chain
+        kind = rng.choice(("Normal", "Normal", "Normal", "Normal", "Categorical", "Bernoulli"))
     parents = ["prev1"] + (["prev2"] if history == 2 else [])
-    parents += rng.sample(global_names, k=min(len(global_names), rng.choice((0, 1))))
+    reads = rng.choice((0, 1)) if family != "budget" else rng.choice((0, 1, 1, 1))
+    read_globals = rng.sample(global_names, k=min(len(global_names), reads))
+    parents += read_globals
     h = add("h", "chain", parents, kind=kind)
     if stiff:
         h.numbers["sd"] = rng.choice((0.01, 0.005))
         h.numbers["c1"] = 1.0
         h.treatment = rng.choice(("guide", "nonfact"))
-    add("y", "chain", ["h"], kind="Normal", treatment="obs")
+    # the budget family's observations may read a global too (a chunked global that every step
+    # reads: the message that R4 of issue 42 found)
+    extra = (
+        rng.sample(global_names, k=min(len(global_names), rng.choice((0, 1)))) if family == "budget" else []
+    )
+    add("y", "chain", ["h"] + extra, kind="Normal", treatment="obs")
     if rng.random() < 0.35 and family != "enum":
         kind = "Normal" if family == "gauss" else rng.choice(("Normal", "Categorical"))
         add("d", "after", ["h"], kind=kind)
@@ -514,6 +550,8 @@ def _draw_options(rng, spec, family):
             spec.autoguide = rng.choice(choices)
             for s in continuous:
                 s.treatment = "auto"
+    if family == "budget" and rng.random() < 0.85:
+        _draw_budget_autoguide(rng, spec)
     if family == "enum" and rng.random() < 0.3:
         deltas = [s for s in spec.latents() if s.treatment == "delta" and s.level != "chain"]
         if deltas:
@@ -534,13 +572,28 @@ def _draw_options(rng, spec, family):
         for s in spec.latents():
             if s.treatment == "auto":
                 s.treatment = "guide"
-    o["max_factor_bytes"] = rng.choice((8, 16, 64, 256))
+    o["max_factor_bytes"] = (
+        rng.choice((8, 16, 64, 256)) if family != "budget" else rng.choice((8, 16, 32, 64))
+    )
+    if family == "budget":
+        o["num_samples"] = rng.choice((2, 3, 4, 4, 8, 8, 16))
     o["variance_reduction"] = rng.choice(("stl", "dregs"))
     o["per_site_K"] = rng.random() < 0.2 and o["proposal"] == "mixture"
     if o["per_site_K"]:  # infer={"num_samples": K_i} on some sampled sites
         for site in spec.latents():
             if site.treatment in ("guide", "nonfact", "prior") and rng.random() < 0.5:
                 site.numbers["K"] = rng.choice((1, 2, 3, 5))
+
+
+def _draw_budget_autoguide(rng: random.Random, spec: Spec) -> None:
+    """An AutoGuide for the budget family's continuous latents, the chain's and the one after it too."""
+    continuous = [
+        s for s in spec.latents() if s.kind in CONTINUOUS and s.treatment in ("guide", "auto", "nonfact")
+    ]
+    if continuous:
+        spec.autoguide = rng.choice(("AutoNormal", "AutoNormal", "AutoDelta", "AutoDiagonalNormal"))
+        for s in continuous:
+            s.treatment = "auto"
 
 
 def _fix_invalid(spec: Spec) -> None:
@@ -568,7 +621,7 @@ def _fix_invalid(spec: Spec) -> None:
         h = spec.site("h")
         if h.treatment == "nonfact" and h.kind != "Normal":
             h.treatment = "guide"
-        if h.treatment in ("auto",):
+        if h.treatment in ("auto",) and spec.family != "budget":
             h.treatment = "guide"  # AutoGuides do not see markov loops the way we write them
         if spec.chain.length > 1 and h.treatment == "enum" and not spec.chain.markov_model:
             pass  # a plain loop with enumerated states is valid (no recycling)
@@ -578,7 +631,7 @@ def _fix_invalid(spec: Spec) -> None:
                 site.treatment = "guide"
     # a model-only (prior) latent whose parent is a sampled or Delta guide latent: fine for TMC
     for site in spec.latents():
-        if site.treatment == "auto" and site.level == "chain":
+        if site.treatment == "auto" and site.level == "chain" and spec.family != "budget":
             site.treatment = "delta" if spec.family == "enum" else "guide"
     if not any(s.treatment == "auto" for s in spec.latents()):
         spec.autoguide = None
@@ -653,6 +706,12 @@ def features_of(spec: Spec) -> set:
             out.add("markov:latent_after_loop")
     if spec.autoguide:
         out.add(f"guide:{spec.autoguide}")
+        if any(s.treatment == "auto" and s.level == "chain" for s in spec.sites):
+            out.add("guide:auto_chain")
+    if spec.chain is not None and any(
+        p not in ("prev1", "prev2", "h") for s in spec.sites if s.level == "chain" for p in s.parents
+    ):
+        out.add("markov:reads_global")
     if any(s.treatment == "nonfact" or (s.treatment == "prior" and s.parents) for s in spec.sites):
         out.add(f"proposal:{spec.options['proposal']}")
     if spec.plate_scale is not None:
@@ -1060,7 +1119,12 @@ def guide_sites(spec: Spec) -> List[Site]:
 
 def _render_guide(spec: Spec) -> str:
     out = _Lines()
-    auto_names = [s.name for s in spec.latents() if s.treatment == "auto"]
+    auto_names = [
+        name
+        for s in spec.latents()
+        if s.treatment == "auto"
+        for name in ([f"{s.name}_{t}" for t in range(spec.chain.length)] if s.level == "chain" else [s.name])
+    ]
     if spec.autoguide:
         out.add(0, "def make_autoguide():")
         scale = ", init_scale=1.5" if spec.family == "gauss" and spec.autoguide != "AutoDelta" else ""

@@ -13,6 +13,8 @@ a list of :class:`Check` results (what was compared, expected, got, pass or not)
   ``num_particles`` (the mean of the draws), or an extra latent that nothing depends on.
 - :func:`readout_oracle`: marginal weights sum to one; posterior draws are particles.
 - :func:`unbiasedness_oracle`: ``E[P_TMC] = p(x)`` on linear-Gaussian models.
+- :func:`budget_oracle`: under tiny ``max_factor_bytes`` (every latent's factor sliced), the
+  value and gradients of the same draws without a budget.
 - :func:`captured_oracle`: the captured whole step (``compile="graph"``, rolled) replayed
   from one RNG state equals the eager step: value and gradients. :func:`inductor_oracle`:
   the same compiled by inductor (opt-in: ``--oracle inductor``).
@@ -759,6 +761,71 @@ def invariance_oracle(case: Case, which=None) -> List[Check]:
 
 
 # --------------------------------------------------------------------------- #
+# memory budgets
+# --------------------------------------------------------------------------- #
+
+#: the budget every budget-family case is also run under, beside its own: below every factor
+SMALLEST_BUDGET = 8
+
+
+def _grads_differ(grads: Dict[str, torch.Tensor], expected: Dict[str, torch.Tensor]) -> Optional[str]:
+    """The name of the first parameter whose gradient differs from the expected one, if any."""
+    for name in sorted(set(grads) | set(expected)):
+        want = expected.get(name)
+        have = grads.get(name)
+        if want is None or have is None:
+            want = torch.zeros_like(have) if want is None else want
+            have = torch.zeros_like(want) if have is None else have
+        if not torch.allclose(have, want, rtol=1e-3, atol=1e-3 * (1 + want.abs().max().item())):
+            return name
+    return None
+
+
+def budget_oracle(case: Case) -> List[Check]:
+    """
+    Under tiny budgets (the case's ``max_factor_bytes`` and :data:`SMALLEST_BUDGET`) the value
+    and gradients equal those of the same draws without a budget (``max_factor_bytes=None``):
+    slicing factors and eliminating them slice by slice changes only the order of the sums.
+    """
+    spec = case.spec
+    try:
+        expected, expected_grads = run(case, tmc_elbo(spec, max_factor_bytes=None), grads=True)
+    except Exception as error:  # noqa: BLE001
+        if _is_refusal(error):
+            raise NotApplicable from error
+        return [
+            Check("budget", "unbudgeted runs", False, "a value", f"{type(error).__name__}: {error}"[:300])
+        ]
+    checks = []
+    for budget in sorted({spec.options["max_factor_bytes"], SMALLEST_BUDGET}):
+        what = f"max_factor_bytes={budget}"
+        try:
+            got, grads = run(case, tmc_elbo(spec, max_factor_bytes=budget), grads=True)
+        except Exception as error:  # noqa: BLE001
+            checks.append(
+                Check("budget", f"{what}:value", False, expected, f"{type(error).__name__}: {error}"[:300])
+            )
+            continue
+        checks.append(Check("budget", f"{what}:value", close(got, expected), expected, got))
+        differs = _grads_differ(grads, expected_grads)
+        if differs is None:
+            checks.append(Check("budget", f"{what}:grads", True))
+        else:
+            want = expected_grads.get(differs)
+            have = grads.get(differs)
+            checks.append(
+                Check(
+                    "budget",
+                    f"{what}:grad[{differs}]",
+                    False,
+                    None if want is None else want.tolist(),
+                    None if have is None else have.tolist(),
+                )
+            )
+    return checks
+
+
+# --------------------------------------------------------------------------- #
 # read-outs
 # --------------------------------------------------------------------------- #
 
@@ -1083,6 +1150,7 @@ ORACLES: Dict[str, Callable] = {
     "readout": readout_oracle,
     "unbiased": unbiasedness_oracle,
     "captured": captured_oracle,
+    "budget": budget_oracle,
     "inductor": inductor_oracle,  # opt-in (--oracle inductor): a compile per case
 }
 
@@ -1093,6 +1161,7 @@ FAMILY_ORACLES = {
     "twin": ("twin", "dtype"),
     "general": ("dtype", "invariance", "readout", "captured"),
     "gauss": ("unbiased",),
+    "budget": ("budget",),
 }
 
 

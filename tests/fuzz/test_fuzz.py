@@ -17,7 +17,7 @@ from typing import Callable, Dict, Tuple
 import pytest
 import torch
 
-from .generator import FAMILIES, features_of, make_case
+from .generator import EXTRA_FAMILIES, FAMILIES, features_of, make_case
 from .oracles import Check, check_case
 
 NUM_CASES = int(os.environ.get("PYRO_TMC_FUZZ_CASES", "200"))
@@ -49,9 +49,8 @@ def known_defect(case, failures) -> str:
     return ", ".join(sorted(names))
 
 
-@pytest.mark.parametrize("seed", range(FIRST_SEED, FIRST_SEED + NUM_CASES))
-def test_fuzz_case(seed):
-    case = make_case(seed)
+def _check(case) -> None:
+    """Fail with the case's code where a check fails (xfail where a known open defect explains it)."""
     checks = check_case(case)
     failures = [c for c in checks if not c.ok and not c.refused]
     if not failures:
@@ -60,10 +59,29 @@ def test_fuzz_case(seed):
     if known:
         pytest.xfail(f"known open defect: {known}")
     lines = "\n".join(c.line()[:600] for c in failures)
+    seed, family = case.spec.seed, case.spec.family
     pytest.fail(
-        f"fuzz case seed={seed} family={case.spec.family} failed "
-        f"(python -m tests.fuzz --show {seed} --family {case.spec.family}):\n{lines}\n\n{case.describe()}"
+        f"fuzz case seed={seed} family={family} failed "
+        f"(python -m tests.fuzz --show {seed} --family {family}):\n{lines}\n\n{case.describe()}"
     )
+
+
+@pytest.mark.parametrize("seed", range(FIRST_SEED, FIRST_SEED + NUM_CASES))
+def test_fuzz_case(seed):
+    _check(make_case(seed))
+
+
+#: seeds of the families drawn only by name (:data:`~tests.fuzz.generator.EXTRA_FAMILIES`) that CI
+#: runs. The budget family's: a chunked global that a chain reads, under AutoGuides, with tiny
+#: budgets. Before R4 of issue 42 was fixed, the code failed on all but the first two (50030:
+#: AutoDiagonalNormal, 50059: AutoDelta): a message of K^T elements, gigabytes asked for (a
+#: gradient off by 0.7% on 50805).
+EXTRA_SEEDS = {"budget": (50030, 50059, 50400, 50620, 50731, 50805, 50869, 51092, 51410, 51519)}
+
+
+@pytest.mark.parametrize("family, seed", [(f, s) for f in EXTRA_FAMILIES for s in EXTRA_SEEDS[f]])
+def test_extra_family_case(family, seed):
+    _check(make_case(seed, family))
 
 
 #: seeds whose captured step inductor compiles (brute and general families), a compile each
@@ -124,6 +142,23 @@ REQUIRED_FEATURES = {
     "irrelevant:plate",
     "stiff",
 }
+
+
+#: what the budget family's CI seeds must cover between them
+BUDGET_FEATURES = {
+    "guide:AutoNormal",
+    "guide:AutoDelta",
+    "guide:AutoDiagonalNormal",
+    "guide:auto_chain",
+    "plate:nested",
+    "markov:reads_global",
+}
+
+
+def test_extra_seeds_cover_the_features():
+    """The budget family's CI seeds cover its AutoGuides, nested plates and chains that read a global."""
+    seen = set().union(*(features_of(make_case(seed, "budget").spec) for seed in EXTRA_SEEDS["budget"]))
+    assert BUDGET_FEATURES <= seen, sorted(BUDGET_FEATURES - seen)
 
 
 def test_ci_seeds_cover_the_features():
