@@ -167,3 +167,32 @@ def test_auto_delta_on_a_long_chain():
     pyro.clear_param_store()
     loss = TMC_ELBO(num_samples=4, max_plate_nesting=0).loss(random_walk, AutoDelta(random_walk), y)
     assert torch.isfinite(torch.tensor(loss))
+
+
+def _global_after_chain(markov_guide: bool):
+    """A chain step with one particle, then a global the chain reads: the global must not take its dim."""
+
+    def model():
+        g = pyro.sample("g", dist.Normal(-0.3, 0.3))
+        for t in pyro.markov(range(1)):
+            h = pyro.sample(f"h_{t}", dist.Normal(0.64 * g, 0.5))
+        pyro.sample("y", dist.Normal(h, 0.5), obs=torch.tensor(1.0))
+
+    def guide():
+        for t in pyro.markov(range(1)) if markov_guide else range(1):
+            pyro.sample(f"h_{t}", dist.Normal(0.0, 0.95), infer={"num_samples": 1})
+        pyro.sample("g", dist.Normal(0.0, 1.0))
+
+    return model, guide
+
+
+@pytest.mark.parametrize("validate", [True, False])
+def test_one_particle_chain_site_keeps_its_dim(validate):
+    """Found by the budget fuzz family (seed 51205): g took h_0's dim, an error or a silently other value."""
+    values = {}
+    with pyro.validation_enabled(validate):
+        for markov_guide in (True, False):
+            model, guide = _global_after_chain(markov_guide)
+            pyro.set_rng_seed(0)
+            values[markov_guide] = TMC_ELBO(num_samples=2, max_plate_nesting=0).loss(model, guide)
+    assert values[True] == pytest.approx(values[False], rel=1e-6)

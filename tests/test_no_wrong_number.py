@@ -313,12 +313,16 @@ def _one_particle_guide():
 
 
 def test_one_particle_site_keeps_its_particle_dim_apart():
-    """The guide's 'd' takes the dim of 'h_0' (one particle, local to pyro.markov): kept apart."""
+    """
+    'h_0' holds one particle, on a dim local to pyro.markov; the guide's 'd' once took that dim
+    (kept apart by its symbol). Since fuzz seed 51205 of the budget family (where that layout
+    failed Pyro's dim check), a one-particle site's dim stays occupied: 'd' gets a dim of its own.
+    """
     pyro.set_rng_seed(0)
     elbo = TMC_ELBO(num_samples=3, max_plate_nesting=0)
     draw = elbo.draw(_one_particle_model, _one_particle_guide)
     h, d = draw.model_trace.nodes["h_0"], draw.model_trace.nodes["d"]
-    assert h["infer"]["_enumerate_dim"] == d["infer"]["_enumerate_dim"]  # the layout this case needs
+    assert h["infer"]["_enumerate_dim"] != d["infer"]["_enumerate_dim"]
     assert particle_symbol(h) != particle_symbol(d)
     draws = elbo.sample_posterior(_one_particle_model, _one_particle_guide, num_draws=20)
     assert draws["h_0"].shape == (20,) and draws["d"].shape == (20,)

@@ -389,6 +389,11 @@ class TMCMessenger(EnumMessenger):
             self._value_dims[msg["name"]].update(replayed_ids)  # what downstream sites see
         if isinstance(msg["fn"], TorchDistributionMixin) and msg["value"] is not None:
             self._occupants.update(self._value_dims[msg["name"]])
+            # A site's own dim is occupied even where it holds one particle (its value does
+            # not vary along it): a later site outside pyro.markov must not be given it.
+            own_dim = msg["infer"].get("_enumerate_dim")
+            if own_dim in msg["infer"].get("_dim_to_id", {}):
+                self._occupants[own_dim] = msg["infer"]["_dim_to_id"][own_dim]
             # Name each dim after the site that brought it (a Delta's value carries
             # its auxiliary site's dims, which the model never sees by name).
             batch_shape = msg["value"].shape[: msg["value"].dim() - msg["fn"].event_dim]
