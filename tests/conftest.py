@@ -35,3 +35,23 @@ def toy_x():
         return torch.tensor(models.toy_data(num_data, seed), dtype=torch.float32)
 
     return make
+
+
+#: test files that capture or compile steps, run the tutorials or the benchmarks, or sweep fuzz seeds:
+#: most of the suite's time. Every other test is marked ``quick`` (``python -m pytest tests -m quick``).
+SLOW_FILES = {
+    "test_captured_step.py",
+    "test_gold_benchmark.py",
+    "test_fuzz.py",
+    "test_loop_rolling.py",
+    "test_tutorials.py",
+    "test_compiled.py",
+    "test_forward_trace.py",
+    "test_hierarchical_benchmark.py",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark each test ``slow`` or ``quick`` by its file (:data:`SLOW_FILES`)."""
+    for item in items:
+        item.add_marker(pytest.mark.slow if item.path.name in SLOW_FILES else pytest.mark.quick)
