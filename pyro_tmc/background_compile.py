@@ -1,20 +1,20 @@
 """A captured step compiled by inductor in another process, replayed uncompiled meanwhile.
 
 Inductor's compile of a large captured step takes a while: Fig. 4's 1,000-link chain,
-rolled, compiles in ~31-33 s on a 2-core CPU, after a ~15 s capture, and a blocking compile
+rolled, compiles for about twice as long as it takes to capture, and a blocking compile
 makes training wait for both. Compiled in the background instead, the step is replayed as
-its uncompiled graph (the same operations, one by one: ~105 ms a step for that chain,
-against ~55 ms compiled and ~450 ms eager) until the compiled code is ready, then switches
-to it. Training starts after the capture.
+its uncompiled graph (the same operations, one by one: slower than compiled, far faster
+than eager for that chain) until the compiled code is ready, then switches to it. Training
+starts after the capture (the figures: docs/performance.md).
 
 The compile runs in a child process (``python -m pyro_tmc.background_compile``), not a
 thread: inductor's compile is mostly Python, and in a thread it held the interpreter lock
-that the replay's operations need between them, so replays took seconds each while it
-ran. The child compiles the graph into inductor's on-disk cache (``TORCHINDUCTOR_CACHE_DIR``,
-which it inherits); when it is done, this process compiles the same graph again, a cache
-hit (~3 s for that chain), and switches. Where that fails (the graph does not pickle, the
-child cannot import pyro_tmc, inductor's cache is off), the compile happens in this process
-as it would without the background, or the graph is replayed uncompiled, with one warning.
+that the replay's operations need between them, so replays stalled while it ran. The child
+compiles the graph into inductor's on-disk cache (``TORCHINDUCTOR_CACHE_DIR``, which it
+inherits); when it is done, this process compiles the same graph again, a cache hit, and
+switches. Where that fails (the graph does not pickle, the child cannot import pyro_tmc,
+inductor's cache is off), the compile happens in this process as it would without the
+background, or the graph is replayed uncompiled, with one warning.
 
 The price is reproducibility to the last bit: which step is the first to run compiled
 depends on how fast the machine compiles, and the compiled step rounds differently (it

@@ -90,9 +90,8 @@ from .loop_rolling import count_groups, count_operations, roll, rolled_runner
 MAX_CAPTURES = 8
 
 #: a captured step with more operations than this is not compiled by inductor (its compile
-#: time grows with them: about 80 s for the 2,340 of Fig. 4's 1,000-link chain on this
-#: project's 2-core CPU); it is replayed uncompiled instead (``StepProgram.max_inductor_nodes``;
-#: ``None``: no limit)
+#: time grows with them: docs/performance.md, "The defaults, and why"); it is replayed
+#: uncompiled instead (``StepProgram.max_inductor_nodes``; ``None``: no limit)
 MAX_INDUCTOR_NODES = 3000
 
 #: a captured step whose forward has more operations than this is rolled (:mod:`pyro_tmc.loop_rolling`):
@@ -101,10 +100,10 @@ MAX_INDUCTOR_NODES = 3000
 ROLL_ABOVE = 400
 
 #: a forward is rolled only if its groups are at most this share of its operations: above it,
-#: the stacking and unbinding that rolling adds outweigh what it batches. Measured (forward
+#: the stacking and unbinding that rolling adds outweigh what it batches. The shares (forward
 #: operations after dead-code elimination): the HMM of 200 steps 0.26, Fig. 4's chain 0.40
 #: (N=100) to 0.73 (N=12); the MNIST VAE 0.81-0.82, whose rolled whole step had 2,871
-#: operations against 2,304 unrolled and replayed about 3 ms (7%) slower under inductor
+#: operations against 2,304 unrolled and replayed slower under inductor
 ROLL_AT_MOST = 0.78
 
 #: a rolled graph's ``meta`` key: how many operations the graph it was rolled from had (its
@@ -632,7 +631,7 @@ class StepProgram:
         if captured is None and count > 0 and len(self._steps) >= MAX_CAPTURES:
             return eager_step(args, kwargs)
         # the eager steps of a key that is, or will be, captured are few: they compute the estimate
-        # eagerly rather than trace (and compile: 100 s for a 1,000-link chain) an estimate program
+        # eagerly rather than trace (and compile, far dearer than a step) an estimate program
         eager_step = _estimating_eagerly(eager_step)
         if count == 0:
             with self._counting_repairs(key):
@@ -782,7 +781,7 @@ class StepProgram:
 
         def run() -> tuple:
             # the graph holds the step's backward as operations: replayed, it needs no autograd (a
-            # cond run under autograd would trace its branches again at every call, ~7 ms each)
+            # cond run under autograd would trace its branches again at every call)
             with torch.no_grad():
                 return captured.program(*params, *inputs)
 
@@ -863,9 +862,10 @@ def builds_wrapper_apart(graph: torch.fx.GraphModule) -> bool:
     Whether inductor builds a step's C++ wrapper apart from its kernels, at -O1
     (:data:`~pyro_tmc.compiled.WRAPPER_APART_SETTINGS`): for a step rolled from a long loop
     whose operations average at least :data:`WRAPPER_APART_MEAN_SIZE` elements, so that the
-    wrapper's dearer calls are lost in the kernels' work. Measured (mean output size): Fig. 4's
-    1,000-link chain 122,530 (its replay unchanged); its 100-link chain 16,929; the HMM of 200
-    steps 5,057 (its replay 7% slower); the toy, not rolled (2-3% slower).
+    wrapper's dearer calls are lost in the kernels' work. Mean output sizes: Fig. 4's
+    1,000-link chain 122,530 (built apart, its replay is unchanged); its 100-link chain
+    16,929; the HMM of 200 steps 5,057 and the toy, not rolled, whose replays built apart
+    are slower (docs/performance.md, "The defaults, and why").
     """
     if ROLLED_FROM not in graph.meta:
         return False

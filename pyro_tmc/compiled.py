@@ -59,26 +59,23 @@ MODES = (None, "graph", "inductor")
 
 #: inductor settings passed with each ``torch.compile`` call (never set process-wide). In a
 #: captured step many nodes read the same buffer, and for each buffer inductor's fusion search
-#: tries every node against its next 64 (default): 250k candidate pairs, a quarter of the
-#: compile, for Fig. 4's 1,000-link chain. 16 cut its compile from 100 s to 80 s, with the
-#: same replay time (benchmarks/HISTORY.md, "Issue 19, eighth part").
+#: tries every node against its next 64 (default): 250k candidate pairs for Fig. 4's 1,000-link
+#: chain. 16 shortens the compile and leaves the replay as it was (the figures:
+#: docs/performance.md, "The defaults, and why").
 INDUCTOR_SETTINGS = {"max_fusion_buffer_group_pairwise_attempts": 16}
 
 #: inductor settings tried first for a captured step on the CPU (:func:`compile_captured_graph`),
 #: unless ``compile_options`` set them: the code that calls the kernels written in C++ rather
-#: than Python. A replay then skips Python's ~10 us per kernel and library call, and g++ compiles
-#: one file instead of one per kernel (benchmarks/HISTORY.md, "Issue 19, thirteenth part":
-#: the small MNIST VAE 0.858-0.864x -> 0.828-0.865x Pyro's RenyiELBO, its first calls 54-59 s ->
-#: 45-47 s; the toys 0.47x / 0.77x -> 0.40x / 0.62x a compiled hand-written step).
+#: than Python. A replay then skips Python's cost per kernel and library call, and g++ compiles
+#: one file instead of one per kernel (the figures: docs/performance.md, "The defaults, and why").
 CPU_STEP_SETTINGS = {"cpp_wrapper": True}
 
 #: inductor settings added for a captured step whose C++ wrapper is built apart
 #: (:func:`pyro_tmc.captured_step.builds_wrapper_apart`), unless ``compile_options`` set them: the
 #: wrapper (one function with a statement or more per kernel and library call) at -O1, the
-#: kernels still at -O3. g++ at -O3 spent half its time on that one function: Fig. 4's 1,000-link
-#: chain, g++ 12.4-14.8 s -> 9.1-9.6 s and its compiling call 33.8-37.6 s -> 30.9-32.6 s, its
-#: replay unchanged (benchmarks/HISTORY.md, "Issue 19, sixteenth part"). At -O1 each call costs a little
-#: more: the HMM of 200 steps replayed 7% slower (2.48-2.59 -> 2.70-2.71 ms).
+#: kernels still at -O3: g++ at -O3 spends much of a long step's compile on that one function.
+#: At -O1 each call costs a little more, which shows where the kernels are small, so only steps
+#: of large operations build it apart (docs/performance.md, "The defaults, and why").
 WRAPPER_APART_SETTINGS = {"cpp_wrapper_build_separate": True}
 
 #: plans kept per loss: a model whose plan changes every step stops being traced after this many
@@ -528,10 +525,9 @@ def compiled_step_graph(
     (``torch._inductor.compile``) at its first call, with that call's inputs as
     examples; with ``background``, in a child process, the graph replayed uncompiled
     until the compile is done (:class:`~pyro_tmc.background_compile.BackgroundCompile`).
-    Dynamo is left out: it would trace the graph's code once more, and
-    its guarded call cost ~2 ms a replay (Fig. 4's 100-link chain: 7.3-8.1 ms
-    through ``torch.compile``, 5.1-5.7 ms straight; its compile 60-62 s against
-    48-53 s, and 83 s against 70 s at 1,000 links). The graph holds its own
+    Dynamo is left out: it would trace the graph's code once more, and its
+    guarded call adds to every replay (docs/performance.md, "The defaults, and
+    why"). The graph holds its own
     backward, so it is compiled for inference; it must be called without grad.
     CUDA graphs (a ``mode`` such as ``"reduce-overhead"``) and another backend
     go through ``torch.compile``. With ``wrapper_apart``, the settings also have
@@ -676,8 +672,8 @@ def _cacheable_compile() -> Iterator[None]:
     """
     A tracing context with a shape environment, as ``torch.compile`` gives inductor: without
     one, inductor's FX graph cache bypasses every graph (``"No shape env"``), so a later
-    process compiled a captured step afresh (Fig. 4's 100-link chain: 20-28 s again, with
-    only g++'s objects reused). Shapes are static: the environment holds no symbol.
+    process compiled a captured step afresh, with only g++'s objects reused. Shapes are
+    static: the environment holds no symbol.
     """
     from torch._guards import TracingContext, tracing
     from torch._subclasses.fake_tensor import FakeTensorMode

@@ -2,8 +2,8 @@
 
 Tracing a step's loss and its ``autograd.grad`` together records the backward as
 autograd runs it: a block of backward operations for every forward block, so a
-1,000-link ``pyro.markov`` chain's backward is traced link by link (about 60% of
-the trace's time) and then rolled with the forward. Tracing the forward alone,
+1,000-link ``pyro.markov`` chain's backward is traced link by link (most of the
+trace's time) and then rolled with the forward. Tracing the forward alone,
 rolling it (:mod:`pyro_tmc.loop_rolling`), and running autograd on the rolled
 forward under a second, short trace gives the gradients of the same operations
 from about 1,000 batched operations instead of about 20,000.

@@ -139,10 +139,10 @@ def exp_or_zero(x: torch.Tensor) -> torch.Tensor:
     """
     ``exp(x)``, with every result below twice the dtype's smallest normal number
     (``tiny``) set to 0. A sum of such terms loses at most ``2 tiny`` per term, as
-    :func:`underflow_floor` allows for. Why: this CPU's exp takes a slow path for
-    subnormal and zero results, 12-30x slower (float32 below -87.3, float64 below
-    -708), and a shifted operand of a stiff product (Fig. 4's chain early in
-    training) is mostly such values.
+    :func:`underflow_floor` allows for. Why: a CPU's exp takes a slow path for
+    subnormal and zero results (float32 below -87.3, float64 below -708), and a
+    shifted operand of a stiff product (Fig. 4's chain early in training) is mostly
+    such values.
     """
     return _exp_above(x, math.log(2 * torch.finfo(x.dtype).tiny))
 
@@ -446,10 +446,10 @@ def _gather_rows(matrices: torch.Tensor, batch: Sequence[torch.Tensor], row: tor
     """
     ``matrices[batch..., row, :]`` broadcast over the batch dims, one row per index:
     by ``index_select`` on the rows of ``matrices`` itself (neither expanded nor
-    advanced-indexed: eagerly on the CPU, advanced indexing of a ``(499, 32, 32)``
-    batch at 64k rows takes 8.4 ms, ``index_select`` 0.46 ms, and its backward is
-    ``index_add``, not an accumulating ``index_put``). For eager repairs only: in a
-    graph that inductor compiles, the advanced indexing makes the faster step.
+    advanced-indexed: eagerly on the CPU, advanced indexing of a large batch at many
+    rows is far slower, and the backward of ``index_select`` is ``index_add``, not an
+    accumulating ``index_put``). For eager repairs only: in a graph that inductor
+    compiles, the advanced indexing makes the faster step.
 
     :param batch: the output's batch index of each row, one tensor per batch dim
         (``matrices`` may have fewer batch dims, or size 1 in some, as it broadcasts).
@@ -513,9 +513,9 @@ def _graph_log_matmul_exp(
     operands = (x, y, fast.to(x.dtype), low)
     if needed is not None:
         # sized by what the eager step repaired: small, or needed at every step, so repaired at
-        # every step with no branch. A cond costs ~0.5 ms a replay and two subgraphs for inductor
-        # to compile (Fig. 4's 1,000-link chain: 133 s against 100 s), and keeps a step out of a
-        # CUDA graph (inductor refuses to capture one holding a cond)
+        # every step with no branch. A cond costs time at every replay and two subgraphs for
+        # inductor to compile, and keeps a step out of a CUDA graph (inductor refuses to capture
+        # one holding a cond)
         (value,) = repair(*(t.reshape(-1) for t in operands))
     else:
         # no count (the product does not line up with the eager step's): sized by default, so
@@ -588,8 +588,7 @@ def _entries_branch(
     index = torch.where(coordinates[:, 0] >= 0, (matrix * rows + row) * columns + column, size)
     # advanced indexing, so that the gradients come back laid out as the operands (cond needs that);
     # y's columns as rows, so that each entry reads contiguous terms. Not _gather_rows: inductor
-    # compiles this advanced indexing into a faster step than an index_select (Fig. 4's N=1000
-    # chain: 74 against 110 ms a step)
+    # compiles this advanced indexing into a faster step than an index_select
     batch = shape[:-2]
     x_rows = x.expand(batch + x.shape[-2:]).reshape(-1, rows, x.size(-1))[matrix, row]
     y_t = y.expand(batch + y.shape[-2:]).reshape(-1, y.size(-2), columns).transpose(-1, -2).contiguous()
@@ -628,8 +627,8 @@ def log_matmul_exp(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             return _graph_log_matmul_exp(x, y, x_shift, y_shift, live(), needed)
         # clean in float32 in the eager step (the MNIST VAE's products): taken in float32 and
         # flagged below, as a product of the estimate is (a step that underflows is redone eagerly,
-        # and a key mostly redone is captured again, in float64). Float64 cost the small VAE's
-        # step ~3 ms of 47
+        # and a key mostly redone is captured again, in float64). Float64 would cost casts, a
+        # float64 bmm and flags over float64 sums
     shifted_sum = torch.matmul(exp_or_zero(x - x_shift), exp_or_zero(y - y_shift))
     wide_sum = lambda: torch.matmul(  # noqa: E731 (the same product in float64)
         exp_or_zero(x.double() - x_shift.double()), exp_or_zero(y.double() - y_shift.double())

@@ -3,7 +3,7 @@
 A ``pyro.markov`` loop of ``N`` steps is traced (:mod:`pyro_tmc.captured_step`) as
 ``N`` copies of the same block of operations: the guide's ``loc[i]`` read, its
 draw, the model's density of step ``i``, and their backward. Replaying the graph
-costs a few microseconds per operation, so a 1,000-step chain of about 40
+costs a Python call and a dispatch per operation, so a 1,000-step chain of about 40
 operations per step is bound by the replay, and inductor cannot compile it in
 reasonable time. This module rolls the copies back up, as a compiler rolls a
 loop it had unrolled:
@@ -101,7 +101,7 @@ MAX_GATHER_WASTE = 4
 #: a group of fewer members, each computing more than :data:`LARGE_MEMBER` elements, runs one by
 #: one: batched, two or three large operations save a replay an operation or two but copy their
 #: inputs into a stack (Fig. 4's log-depth tree at N=1000: the two operands of each level's
-#: product, 19 ms of copies in a 120 ms uncompiled replay)
+#: product, copied at every replay)
 MIN_GROUP_SIZE = 4
 LARGE_MEMBER = 2**16
 
@@ -739,8 +739,8 @@ def _stack_few(values: List[torch.Tensor]) -> Optional[torch.Tensor]:
     stacked once, and indexed (``None`` where most are distinct). Each member of a
     group whose inputs were all shared holds the same tensor (a ``zeros`` or a
     constant per loop step); stacked as they are, inductor makes a kernel of one
-    argument per member (Fig. 4's 1,000-link chain: kernels of ~1,000 arguments;
-    inductor's compile took 81 s with them, 57 s without).
+    argument per member (Fig. 4's 1,000-link chain: kernels of ~1,000 arguments, which
+    inductor is slow to compile).
     """
     distinct = list({id(v): v for v in values}.values())
     if 2 * len(distinct) > len(values):
