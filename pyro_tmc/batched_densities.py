@@ -27,7 +27,7 @@ from pyro.poutine import Trace
 
 from . import log_density
 from .proposals import constructor_parameters, proposal_log_k
-from .sites import guide_only_sites, is_sample, proposal_site
+from .sites import guide_only_sites, is_sample, particle_draw, proposal_site
 
 #: the smallest group worth stacking: below this, site by site is as fast
 MIN_GROUP = 4
@@ -284,7 +284,7 @@ def site_densities(model_trace: Trace, guide_trace: Trace) -> SiteDensities:
         proposals = [proposal_site(site["name"], model_trace, guide_trace) for site in latents]
         proposals += [guide_trace.nodes[name] for name in guide_only]
         for site in proposals:
-            draw = site["infer"].get("_tmc_draw")
+            draw = particle_draw(site)
             if draw is not None and not draw.parent_dims:
                 q_sites.append(site)
     if len(p_sites) < MIN_GROUP and len(q_sites) < MIN_GROUP:

@@ -18,7 +18,7 @@ from pyro.util import check_site_shape
 
 from .log_einsum import checks_deferred
 from .shapes import log_prob_shape
-from .sites import is_sample, particle_symbol, plate_symbols
+from .sites import has_particle_dim, is_sample, particle_draw, particle_symbol, plate_symbols
 
 
 def log_prob_error(site, error: ValueError) -> ValueError:
@@ -74,7 +74,7 @@ def check_site_shapes(model_trace: Trace, guide_trace: Trace, max_plate_nesting)
                 continue
             log_prob = SimpleNamespace(shape=log_prob_shape(site))  # all the check reads of it
             infer = site["infer"]
-            draw = infer.get("_tmc_draw")
+            draw = particle_draw(site)
             if draw is not None and (draw.joint or draw.group is not None):  # shares a dim by design
                 infer = {k: v for k, v in infer.items() if k != "_enumerate_dim"}
             check_site_shape({**site, "infer": infer, "log_prob": log_prob}, max_plate_nesting)
@@ -103,9 +103,9 @@ def _plated_particle_owners(traces: Sequence[Trace]) -> Dict[str, Tuple[str, fro
     owners = {}
     for trace in traces:
         for name, site in trace.nodes.items():
-            if not is_sample(site) or "_enumerate_dim" not in site["infer"]:
+            if not is_sample(site) or not has_particle_dim(site):
                 continue
-            draw = site["infer"].get("_tmc_draw")
+            draw = particle_draw(site)
             if draw is not None and draw.joint:
                 continue  # the shared dim of joint samples is summed outside every plate
             plates = plate_symbols(site, trace)

@@ -41,6 +41,8 @@ from .sites import (
     is_point_mass,
     is_sample,
     is_summed_exactly,
+    own_particle_dim,
+    particle_draw,
     particle_symbol,
     proposal_site,
 )
@@ -117,7 +119,7 @@ def neg_log_q(
         stacked = densities.proposal_factor(q_site, detach, dim_to_symbol)
         if stacked is not None:
             return stacked
-    draw = q_site["infer"].get("_tmc_draw")
+    draw = particle_draw(q_site)
     where = None if densities is None else densities.log_q.get(id(q_site))
     if draw is None:
         log_q = _log_prob(q_site)
@@ -137,7 +139,7 @@ def neg_log_q(
 def _chunked_log_prob(site, scale, max_factor_elements: int, mask) -> ChunkedFactor:
     """The site's ``log p`` as slices along its own particle dim, each within the budget."""
     value, fn = site["value"], site["fn"]
-    particle_dim = site["infer"]["_enumerate_dim"]
+    particle_dim = own_particle_dim(site)
     batch_ndim = value.dim() - fn.event_dim
     num_particles = value.shape[batch_ndim + particle_dim]
     per_particle = math.prod(log_prob_shape(site)) // num_particles
@@ -316,7 +318,7 @@ def joint_samples_factor(model_trace: Trace) -> Optional[torch.Tensor]:
     dim is summed outside every plate: ``log 1/K sum_k prod_plates w_k``.
     """
     for site in model_trace.nodes.values():
-        draw = site["infer"].get("_tmc_draw") if site["type"] == "sample" else None
+        draw = particle_draw(site)
         if draw is not None and draw.joint:
             symbol = site["infer"]["_dim_to_symbol"][draw.target_dim]
             value = site["value"]

@@ -18,6 +18,7 @@ from typing import Dict, Iterable, Iterator, Optional, Union
 import torch
 
 from .shapes import log_prob_shape, particle_shape
+from .sites import has_particle_dim, own_particle_dim
 
 #: the default of ``max_factor_bytes``: a share of the available memory
 AUTO = "auto"
@@ -144,8 +145,8 @@ def can_chunk(site) -> bool:
     """Whether a site's ``log p`` can be built in slices: a latent with more than 2 particles."""
     return (
         not site["is_observed"]
-        and "_enumerate_dim" in site["infer"]
-        and particle_shape(site)[site["infer"]["_enumerate_dim"]] > 2
+        and has_particle_dim(site)
+        and particle_shape(site)[own_particle_dim(site)] > 2
     )
 
 
@@ -178,7 +179,7 @@ def factor_budget(model_trace, max_factor_elements) -> Optional[int]:
     available = available_bytes(device)
     for site, numel in zip(sites, sizes):
         if numel * size > budget:
-            num_particles = particle_shape(site)[site["infer"]["_enumerate_dim"]] if can_chunk(site) else 2
+            num_particles = particle_shape(site)[own_particle_dim(site)] if can_chunk(site) else 2
             smallest = 2 * numel // num_particles
             if smallest * size > available:
                 raise factor_memory_error(site["name"], smallest * size, AUTO, available, smallest_slice=True)

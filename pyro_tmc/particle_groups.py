@@ -35,7 +35,7 @@ from torch.distributions import Distribution
 from pyro.poutine import Trace
 
 from .proposals import ParticleDraw, ProposalStrategy, draw_joint_particles, draw_particles
-from .sites import is_latent
+from .sites import is_latent, particle_draw
 
 #: The ``infer`` key that puts a sample site in a particle group, by name.
 PARTICLE_GROUP = "particle_group"
@@ -135,7 +135,7 @@ def check_model_agrees(name: str, model_group: str, msg, groups: Dict[str, Parti
     :param msg: the site after the replay (its ``infer`` is the guide's).
     :raises ValueError: naming the site and the fix, where the guide did not.
     """
-    draw = msg["infer"].get("_tmc_draw")
+    draw = particle_draw(msg)
     if draw is not None:
         agrees = draw.group == model_group
     else:  # a Delta guide site: its value carries the particle dim of the site it came from
@@ -193,7 +193,7 @@ def particle_groups_of(trace: Trace) -> Dict[str, ParticleGroup]:
     """
     groups = {}
     for name, site in trace.nodes.items():
-        draw = site["infer"].get("_tmc_draw") if is_latent(site) else None
+        draw = particle_draw(site) if is_latent(site) else None
         if draw is None or draw.group is None or draw.group in groups:
             continue
         dim_id = site["infer"]["_dim_to_id"][draw.target_dim]
@@ -205,7 +205,7 @@ def particle_groups_of(trace: Trace) -> Dict[str, ParticleGroup]:
 
 def is_grouped(site) -> bool:
     """Whether a drawn latent site shares its particle dim with the other members of a group."""
-    draw = site["infer"].get("_tmc_draw")
+    draw = particle_draw(site)
     return draw is not None and draw.group is not None
 
 

@@ -43,6 +43,7 @@ from torch.distributions import (
 from pyro.distributions.torch_distribution import ExpandedDistribution, MaskedDistribution
 
 from . import log_density
+from .sites import particle_draw
 
 #: name -> proposal strategy class
 PROPOSALS: Dict[str, Type["ProposalStrategy"]] = {}
@@ -477,6 +478,6 @@ def proposal_log_k(q_site) -> float:
     and for every member of a particle group but the first, since the members share
     one average over their K particles (:mod:`pyro_tmc.particle_groups`).
     """
-    draw = q_site["infer"].get("_tmc_draw")
+    draw = particle_draw(q_site)
     counted = draw is not None and not draw.joint and draw.counts_log_k
     return math.log(draw.num_samples) if counted else 0.0

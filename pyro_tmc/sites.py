@@ -9,8 +9,14 @@ A draw is a model trace and a guide trace, both run under ``tmc``.
 - a *point mass* has no particle dim of its own (:func:`is_point_mass`): its
   distribution is a Delta (:func:`is_delta`), so its K particles would all be
   equal; :func:`is_point_mass_latent` leaves out a plate's subsample site;
+- a latent *has a particle dim* of its own (:func:`has_particle_dim`,
+  :func:`own_particle_dim`) where it is not a point mass: its drawn particles, or
+  its enumerated support; a *drawn* latent (:func:`is_drawn`) has its
+  :func:`particle_draw`, how its particles were drawn (none where it is summed
+  exactly). These read the ``infer`` keys the ``tmc`` handler writes, here alone;
 - a site with a particle dim has its *particle symbol*, the packed name of that
-  dim (:func:`particle_symbol`); :func:`plate_symbols` names its plates;
+  dim (:func:`particle_symbol`); :func:`plate_frames` are its plates, and
+  :func:`plate_symbols` names them;
 - the *proposal site* of a latent is the site whose distribution drew its
   particles: the guide's, or the model's own for a model-only latent
   (:func:`proposal_site`);
@@ -24,7 +30,7 @@ posterior marginal times what scales its factor from outside (:func:`source_weig
 the autodiff identity of the alan library).
 """
 
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch.distributions import Independent
@@ -35,6 +41,9 @@ from pyro.poutine import Trace
 from pyro.poutine.util import site_is_subsample
 
 from .shapes import particle_shape
+
+if TYPE_CHECKING:
+    from .proposals import ParticleDraw
 
 
 def is_sample(site) -> bool:
@@ -69,7 +78,7 @@ def is_marked_for_exact_sum(msg) -> bool:
 
 def is_summed_exactly(site) -> bool:
     """Whether a drawn latent site was enumerated over its support (no proposal density)."""
-    return "_enumerate_dim" in site["infer"] and "_tmc_draw" not in site["infer"]
+    return has_particle_dim(site) and particle_draw(site) is None
 
 
 def is_delta(fn) -> bool:
@@ -84,9 +93,38 @@ def is_delta(fn) -> bool:
     return isinstance(fn, Delta)
 
 
+def particle_draw(site) -> Optional["ParticleDraw"]:
+    """
+    How a sample site's particles were drawn (a :class:`~pyro_tmc.proposals.ParticleDraw`,
+    kept in ``site["infer"]["_tmc_draw"]`` by the ``tmc`` handler), or ``None``: a site
+    summed exactly, a point mass, an observed site, or no sample site at all.
+    """
+    if site.get("type", "sample") != "sample":
+        return None
+    return (site.get("infer") or {}).get("_tmc_draw")
+
+
+def is_drawn(site) -> bool:
+    """Whether a trace node is a latent whose particles were drawn from a proposal (:func:`particle_draw`)."""
+    return is_latent(site) and particle_draw(site) is not None
+
+
+def has_particle_dim(site) -> bool:
+    """
+    Whether a site has a particle dim of its own (its drawn particles, or the support it is
+    summed over), recorded by the ``tmc`` handler as Pyro's enumeration records its dims.
+    """
+    return "_enumerate_dim" in (site.get("infer") or {})
+
+
+def own_particle_dim(site) -> Optional[int]:
+    """The dim of a site's own particles (or of its enumerated support), or ``None`` if it has none."""
+    return (site.get("infer") or {}).get("_enumerate_dim")
+
+
 def is_point_mass(site) -> bool:
     """Whether a drawn latent site has no particle dim of its own (a Delta, or no torch distribution)."""
-    return "_enumerate_dim" not in site["infer"]
+    return not has_particle_dim(site)
 
 
 def is_point_mass_latent(site) -> bool:
@@ -100,8 +138,7 @@ def is_point_mass_latent(site) -> bool:
 
 def particle_symbol(site) -> str:
     """The packed symbol of a drawn latent's own particle dim (or enumeration dim)."""
-    infer = site["infer"]
-    return infer["_dim_to_symbol"][infer["_enumerate_dim"]]
+    return site["infer"]["_dim_to_symbol"][own_particle_dim(site)]
 
 
 def proposal_site(name: str, model_trace: Trace, guide_trace: Trace):
@@ -127,6 +164,11 @@ def guide_only_sites(model_trace: Trace, guide_trace: Trace) -> List[str]:
     return [
         name for name, site in guide_trace.nodes.items() if is_sample(site) and name not in model_trace.nodes
     ]
+
+
+def plate_frames(site) -> list:
+    """The vectorised plates (``pyro.plate`` frames) a sample site is in, outermost first."""
+    return [frame for frame in site["cond_indep_stack"] if frame.vectorized]
 
 
 def plate_symbols(site, trace: Trace) -> frozenset:

@@ -64,6 +64,7 @@ from pyro.poutine.messenger import Messenger
 from .contraction import _contract
 from .log_einsum import sequential_log_matmul_exp
 from .shapes import packed_view
+from .sites import has_particle_dim, own_particle_dim, particle_draw
 
 #: ``<var>slice(start, stop, None)``: the name ``vectorized_markov`` gives a site of its time dim
 _SLICE_NAME = re.compile(r"^(?P<var>.*)slice\((?P<start>\d+), (?P<stop>\d+), None\)$")
@@ -173,7 +174,7 @@ def _time_frame(site, size: int) -> str:
     raise ValueError(f"Site '{site['name']}' looks like a vectorized_markov step, but has no time dim.")
 
 
-def own_particle_dim(site) -> Optional[int]:
+def step_particle_dim(site) -> Optional[int]:
     """
     The dim of a latent's own particles: its particle dim, or, for a point mass
     (an autoguide's Delta over an auxiliary latent), the one particle dim its value
@@ -181,7 +182,7 @@ def own_particle_dim(site) -> Optional[int]:
 
     :raises ValueError: naming the site, where a point mass varies along several.
     """
-    dim = site["infer"].get("_enumerate_dim")
+    dim = own_particle_dim(site)
     if dim is not None:
         return dim
     value = site["value"]
@@ -218,7 +219,7 @@ def previous_steps_value(first, current, time_dim: int) -> Tuple[torch.Tensor, D
     :returns: the value and its ``dim -> id`` map.
     """
     event_dim = current["fn"].event_dim
-    first_dim, current_dim = own_particle_dim(first), own_particle_dim(current)
+    first_dim, current_dim = step_particle_dim(first), step_particle_dim(current)
     before, now = first["value"], current["value"]
     rank = max(before.dim(), now.dim(), event_dim - min(time_dim, first_dim or -1, current_dim or -1))
     before = before.reshape((1,) * (rank - before.dim()) + before.shape)
@@ -279,7 +280,7 @@ def _check_factorised_in_time(current, previous) -> None:
     """:raises ValueError: if the guide's current-steps site varies along its previous-steps site's dim."""
     if previous is None:
         return
-    dim = own_particle_dim(previous)
+    dim = step_particle_dim(previous)
     batch = current["fn"].batch_shape
     if dim is not None and len(batch) >= -dim and batch[dim] > 1:
         raise ValueError(
@@ -325,7 +326,7 @@ def markov_times(model_trace: Trace) -> Dict[str, MarkovTime]:
         symbol = model_trace.plate_to_symbol[link.time]
         nodes = model_trace.nodes
         first, previous, current = nodes[link.first], nodes[link.previous], nodes[link.current]
-        if "_tmc_draw" in previous["infer"]:
+        if particle_draw(previous) is not None:
             raise ValueError(
                 f"Site '{link.current}' of a vectorized_markov chain is sampled by the model itself "
                 "(the guide has no such site): its previous steps would be drawn afresh, not be the "
@@ -333,7 +334,7 @@ def markov_times(model_trace: Trace) -> Dict[str, MarkovTime]:
                 "infer={'enumerate': 'parallel'} to sum it exactly."
             )
         first_symbol, current_symbol = (_own_symbol(site) for site in (first, current))
-        from_symbol = _own_symbol(previous) if "_enumerate_dim" in previous["infer"] else first_symbol
+        from_symbol = _own_symbol(previous) if has_particle_dim(previous) else first_symbol
         known = times.get(symbol, MarkovTime(symbol, (), (), (), ()))
         times[symbol] = MarkovTime(
             symbol,
@@ -346,8 +347,8 @@ def markov_times(model_trace: Trace) -> Dict[str, MarkovTime]:
 
 
 def _own_symbol(site) -> str:
-    """The packed symbol of a chained latent's own particle dim (:func:`own_particle_dim`)."""
-    dim = own_particle_dim(site)
+    """The packed symbol of a chained latent's own particle dim (:func:`step_particle_dim`)."""
+    dim = step_particle_dim(site)
     if dim is None:
         raise ValueError(
             f"Site '{site['name']}' of a vectorized_markov chain has no particles of its own "

@@ -41,7 +41,7 @@ from pyro.poutine import Trace
 from pyro.poutine.messenger import Messenger
 
 from ..shapes import log_prob_shape
-from ..sites import is_latent
+from ..sites import has_particle_dim, is_drawn, is_latent, own_particle_dim
 
 #: Particle counts of the probe, by particle dim from the plates leftwards:
 #: distinct, and odd, so that no count is a common plate size.
@@ -133,9 +133,9 @@ def has_several_particles(model_trace: Trace, guide_trace: Trace) -> bool:
     """
     for trace in (guide_trace, model_trace):
         for site in trace.nodes.values():
-            if not is_latent(site) or "_tmc_draw" not in site["infer"]:
+            if not is_drawn(site):
                 continue
-            dim = site["infer"]["_enumerate_dim"]
+            dim = own_particle_dim(site)
             shape = _value_batch_shape(site)
             if -dim <= len(shape) and shape[dim] > 1:
                 return True
@@ -249,10 +249,10 @@ def _particle_owners(traces) -> Dict[Tuple[int, int], Tuple[str, int]]:
     owners = {}
     for trace in traces:
         for name, site in trace.nodes.items():
-            if not is_latent(site) or "_enumerate_dim" not in site["infer"]:
+            if not is_latent(site) or not has_particle_dim(site):
                 continue
             infer = site["infer"]
-            dim = infer["_enumerate_dim"]
+            dim = own_particle_dim(site)
             shape = _value_batch_shape(site)
             if -dim <= len(shape):
                 owners[(dim, infer["_dim_to_id"][dim])] = (name, shape[dim])

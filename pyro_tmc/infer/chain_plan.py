@@ -34,7 +34,7 @@ from pyro.poutine import Trace
 
 from ..poutine import TMCMessenger
 from ..poutine.chain_dims import AUXILIARY_SUFFIX, ChainDims
-from ..sites import is_latent
+from ..sites import has_particle_dim, is_latent, own_particle_dim
 from ..vectorized_markov import without_funsor_scoring
 
 
@@ -139,9 +139,7 @@ def plan_chain_dims(model, args: tuple, kwargs: dict, first_available_dim: int) 
 def chain_dims_of(model_trace: Trace) -> Dict[str, int]:
     """Model latent -> the particle dim its ``pyro.markov`` context gave it (chain sites only)."""
     return {
-        name: site["infer"]["_enumerate_dim"]
+        name: own_particle_dim(site)
         for name, site in model_trace.nodes.items()
-        if is_latent(site)
-        and "_enumerate_dim" in site["infer"]
-        and site["infer"].get("_markov_scope") is not None
+        if is_latent(site) and has_particle_dim(site) and site["infer"].get("_markov_scope") is not None
     }

@@ -46,6 +46,7 @@ from ..sites import (
     latent_names,
     marginal_sources,
     model_or_guide_site,
+    particle_draw,
     source_weights,
 )
 from ..vectorized_markov import markov_times, with_previous_steps, without_funsor_scoring
@@ -410,7 +411,7 @@ def particle_dims_of(trace: Trace) -> Set[int]:
 def joint_dim(trace: Trace):
     """The ``(dim, id)`` of the particle dim the trace's latents share, or ``"new"`` if none has one yet."""
     for site in trace.nodes.values():
-        draw = site["infer"].get("_tmc_draw") if site["type"] == "sample" else None
+        draw = particle_draw(site)
         if draw is not None and draw.joint:
             return draw.target_dim, site["infer"]["_dim_to_id"][draw.target_dim]
     return "new"

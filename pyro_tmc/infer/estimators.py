@@ -23,7 +23,7 @@ import torch
 from pyro.poutine import Trace
 
 from ..proposals import proposal_log_prob, sampling_log_prob
-from ..sites import is_latent, source_weights
+from ..sites import is_drawn, is_latent, particle_draw, source_weights
 from .draw import DrawSettings, TMCDraw
 from .path_gradients import check_factorised, path_surrogate, reparameterised_latents
 
@@ -108,7 +108,7 @@ def score_of_unreparameterised_draws(guide_trace: Trace) -> Optional[torch.Tenso
     """
     total = None
     for site in guide_trace.nodes.values():
-        draw = site["infer"].get("_tmc_draw") if is_latent(site) else None
+        draw = particle_draw(site) if is_latent(site) else None
         if draw is None or site["fn"].has_rsample:
             continue
         log_q = sampling_log_prob(site["fn"], site["value"], draw)
@@ -182,11 +182,7 @@ class WakeSleep(GradientEstimator):
     leaves_require_grad = False
 
     def leaf_sites(self, live_trace: Trace) -> List[str]:
-        return [
-            name
-            for name, site in live_trace.nodes.items()
-            if is_latent(site) and "_tmc_draw" in site["infer"]
-        ]
+        return [name for name, site in live_trace.nodes.items() if is_drawn(site)]
 
     def surrogate(self, draw: TMCDraw) -> torch.Tensor:
         sources = draw.sources(list(draw.leaves))
@@ -199,6 +195,6 @@ class WakeSleep(GradientEstimator):
         wake_phi = 0.0
         for name, weight in zip(sources, scaled):
             site = draw.guide_trace.nodes[name]
-            log_q = proposal_log_prob(site["fn"], site["value"], site["infer"]["_tmc_draw"])
+            log_q = proposal_log_prob(site["fn"], site["value"], particle_draw(site))
             wake_phi = wake_phi + (weight.detach() * log_q).sum()
         return wake_theta + wake_phi - wake_phi.detach()

@@ -3,6 +3,7 @@
 import dataclasses
 from typing import Optional
 
+from ..sites import particle_draw
 from .draw import DrawSettings, TMCDraw
 from .tmc_elbo import TMC_ELBO
 
@@ -62,7 +63,7 @@ class IWAE_ELBO(TMC_ELBO):
     def _checked(self, draw: TMCDraw) -> TMCDraw:
         for trace, where in ((draw.guide_trace, "in the guide"), (draw.model_trace, "drawn from the prior")):
             for name, site in trace.nodes.items():
-                if site["type"] == "sample" and "_tmc_draw" in site["infer"] and not site["fn"].has_rsample:
+                if particle_draw(site) is not None and not site["fn"].has_rsample:
                     raise NotImplementedError(
                         f"IWAE_ELBO needs reparameterised latents, but site '{name}' ({where}) "
                         "is not. Use TMC_ELBO, which gives such sites unbiased score-function terms."

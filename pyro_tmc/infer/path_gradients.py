@@ -53,7 +53,7 @@ import torch
 
 from pyro.poutine import Trace
 
-from ..sites import is_latent, is_point_mass_latent
+from ..sites import is_drawn, is_point_mass_latent, particle_draw
 
 
 def reparameterised_latents(guide_trace: Trace, estimator: str) -> List[str]:
@@ -65,7 +65,7 @@ def reparameterised_latents(guide_trace: Trace, estimator: str) -> List[str]:
     """
     names = []
     for name, site in guide_trace.nodes.items():
-        if not is_latent(site) or "_tmc_draw" not in site["infer"]:
+        if not is_drawn(site):
             continue  # summed exactly (no density, no path), or a plate's subsample
         if not site["fn"].has_rsample:
             raise NotImplementedError(
@@ -80,7 +80,7 @@ def reparameterised_latents(guide_trace: Trace, estimator: str) -> List[str]:
 def check_factorised(guide_trace: Trace, names: List[str]) -> None:
     """:raises NotImplementedError: if a guide site's proposal depends on upstream particles (DReGs)."""
     for name in names:
-        draw = guide_trace.nodes[name]["infer"].get("_tmc_draw")
+        draw = particle_draw(guide_trace.nodes[name])
         if draw is not None and draw.parent_dims:
             raise NotImplementedError(
                 f"variance_reduction='dregs' is exact only for guides whose sites do not depend "

@@ -36,6 +36,7 @@ from ..sites import (
     is_latent,
     is_point_mass,
     is_point_mass_latent,
+    own_particle_dim,
     particle_symbol,
     source_weights,
 )
@@ -105,7 +106,7 @@ def _particles_last(site, tensor: torch.Tensor, event_dim: int, particle_dim: in
     The particles lie along ``particle_dim``, by default the site's own.
     """
     if particle_dim is None:
-        particle_dim = site["infer"]["_enumerate_dim"]
+        particle_dim = own_particle_dim(site)
     batch_ndim = tensor.dim() - event_dim
     if batch_ndim < -particle_dim:
         tensor = tensor.reshape((1,) * (-particle_dim - batch_ndim) + tensor.shape)

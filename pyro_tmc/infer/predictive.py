@@ -42,7 +42,7 @@ from pyro.ops.rings import LogRing
 from pyro.poutine import Trace
 from pyro.poutine.messenger import Messenger
 
-from ..sites import is_latent
+from ..sites import is_latent, plate_frames
 from .tmc_elbo import TMC_ELBO
 
 #: the plate that holds the posterior draws in the test run
@@ -250,12 +250,8 @@ def _no_guide(*args, **kwargs) -> None:
     """No guide: every latent left free is drawn from the model's conditional."""
 
 
-def _plate_frames(site: dict):
-    return [frame for frame in site["cond_indep_stack"] if frame.vectorized]
-
-
 def _plate_names(site: dict) -> FrozenSet[str]:
-    return frozenset(frame.name for frame in _plate_frames(site))
+    return frozenset(frame.name for frame in plate_frames(site))
 
 
 def _plate_nesting(trace: Trace) -> int:
@@ -263,7 +259,7 @@ def _plate_nesting(trace: Trace) -> int:
         -frame.dim
         for site in trace.nodes.values()
         if site["type"] == "sample"
-        for frame in _plate_frames(site)
+        for frame in plate_frames(site)
     ]
     return max(dims, default=0)
 
@@ -292,7 +288,7 @@ def _local_plates(trial: Trace, posterior_samples, local_plates) -> FrozenSet[st
     for name, site in trial.nodes.items():
         if not is_latent(site) or name not in posterior_samples:
             continue
-        for frame in _plate_frames(site):
+        for frame in plate_frames(site):
             same = _drawn_size(posterior_samples[name], site, frame.dim) == frame.size
             (shared if same else changed).add(frame.name)
     if shared and not changed:

@@ -50,7 +50,7 @@ import pyro.distributions as dist
 from pyro import poutine
 from pyro.poutine.util import prune_subsample_sites
 
-from ..sites import is_latent
+from ..sites import is_latent, plate_frames
 from .posterior import marginals_and_log_estimate
 from .tmc_elbo import TMC_ELBO
 
@@ -275,7 +275,7 @@ class QEMGuide:
                 continue
             family = self._family(site)
             self.sites[name] = QEMSite(
-                _plate_frames(site), family, site["fn"].batch_shape, site["fn"].event_dim
+                _whole_plate_frames(site), family, site["fn"].batch_shape, site["fn"].event_dim
             )
             first, second = _initial_statistics(site, family, self.init_scale)
             pyro.param(self.param_name(name), torch.stack([first, second]).detach())
@@ -405,8 +405,9 @@ def _initial_statistics(site: dict, family, init_scale: float) -> Tuple[torch.Te
     return family.initial_statistics(mean, variance)
 
 
-def _plate_frames(site: dict) -> tuple:
-    frames = tuple(frame for frame in site["cond_indep_stack"] if frame.vectorized)
+def _whole_plate_frames(site: dict) -> tuple:
+    """:func:`~pyro_tmc.sites.plate_frames`, each of which must hold the whole plate."""
+    frames = tuple(plate_frames(site))
     batch_shape = site["fn"].batch_shape
     for frame in frames:
         if -frame.dim <= len(batch_shape) and batch_shape[frame.dim] not in (1, frame.size):

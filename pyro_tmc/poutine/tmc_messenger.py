@@ -20,7 +20,7 @@ from ..particle_groups import (
     plate_names,
 )
 from ..proposals import draw_joint_particles, draw_particles, get_proposal
-from ..sites import is_delta, is_marked_for_exact_sum
+from ..sites import is_delta, is_marked_for_exact_sum, own_particle_dim
 from .chain_dims import ChainDims, check_replayed_dims
 
 #: PyTorch tensors hold at most this many dims; particle dims beyond it cannot exist.
@@ -391,13 +391,13 @@ class TMCMessenger(EnumMessenger):
             self._occupants.update(self._value_dims[msg["name"]])
             # A site's own dim is occupied even where it holds one particle (its value does
             # not vary along it): a later site outside pyro.markov must not be given it.
-            own_dim = msg["infer"].get("_enumerate_dim")
+            own_dim = own_particle_dim(msg)
             if own_dim in msg["infer"].get("_dim_to_id", {}):
                 self._occupants[own_dim] = msg["infer"]["_dim_to_id"][own_dim]
             # Name each dim after the site that brought it (a Delta's value carries
             # its auxiliary site's dims, which the model never sees by name).
             batch_shape = msg["value"].shape[: msg["value"].dim() - msg["fn"].event_dim]
-            own_dim = msg["infer"].get("_enumerate_dim")
+            own_dim = own_particle_dim(msg)
             for dim in self._value_dims[msg["name"]]:
                 if dim == own_dim or dim not in self.particle_dims:
                     self.particle_dims[dim] = (msg["name"], batch_shape[dim])
@@ -415,7 +415,7 @@ class TMCMessenger(EnumMessenger):
 
     def _replayed_own_id(self, msg: Message) -> Dict[int, int]:
         """``{particle dim: id}`` of a replayed site, as its own run labelled it (empty if it has none)."""
-        own_dim = msg["infer"].get("_enumerate_dim")
+        own_dim = own_particle_dim(msg)
         dim_to_id = msg["infer"].get("_dim_to_id", {})
         return {own_dim: dim_to_id[own_dim]} if own_dim in dim_to_id else {}
 
