@@ -400,12 +400,15 @@ def _log_sum_over_slices(
     once: more than the unchunked contraction, F5 of issue 17).
 
     The value is a running log-sum-exp computed without autograd. Under autograd,
-    the gradient comes from a second pass: ``total + S - stop(S)`` with
+    the gradient comes from a second pass: ``total + (S - stop(S)) / stop(S)`` with
     ``S = sum_i exp(m_i - stop(total))``, whose value is ``total`` and whose
-    gradient with respect to ``m_i`` is ``exp(m_i - total)``, the gradient of the
-    log-sum-exp. Each ``exp(m_i - total)`` is checkpointed (recomputed in the
-    backward pass) and summed as it comes, and a sum keeps nothing for its
-    backward, so the backward too holds one slice.
+    gradient with respect to ``m_i`` is ``exp(m_i - total) / S``, the gradient of
+    the log-sum-exp. Dividing by ``S`` (1 in exact arithmetic) keeps the weights
+    summing to 1 where ``total`` is rounded: in float32 a log of 1e5 is rounded by
+    up to 0.004, and unnormalised weights would scale every gradient by as much.
+    Each ``exp(m_i - total)`` is checkpointed (recomputed in the backward pass)
+    and summed as it comes, and a sum keeps nothing for its backward, so the
+    backward too holds one slice.
     """
     if len(ranges) == 1:  # one slice: the plain contraction
         return message(*ranges[0], *inputs)
@@ -422,7 +425,9 @@ def _log_sum_over_slices(
         if not weight.requires_grad:
             return total  # nothing upstream needs a gradient
         weights = weight if weights is None else weights + weight
-    return total + (weights - weights.detach())
+    norm = weights.detach()
+    norm = torch.where(norm > 0, norm, torch.ones_like(norm))  # 0 only where every slice is -inf
+    return total + (weights - weights.detach()) / norm
 
 
 def _relative_weight(message, total: torch.Tensor, start: int, stop: int, *inputs) -> torch.Tensor:
