@@ -3,7 +3,7 @@
 Fig. 4's chain (``benchmarks/frontier.py``'s model and guide) trained by
 ``TMC_ELBO(compile="inductor")`` for a fixed wall-clock time, once with the compile
 blocking the step that starts it, once with ``loss.step_program.compile_in_background =
-True`` (``pyro_tmc/background_compile.py``), each in a fresh process and a fresh inductor
+True`` (``pyro_tmc/compile/background_compile.py``), each in a fresh process and a fresh inductor
 cache directory (warmed by one small compile, so that the toolchain's one-time setup is
 not counted). Prints how many steps each had taken at several times, when the first
 replay was done (blocking: after the compile) and when the compiled step took over.

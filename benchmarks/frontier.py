@@ -351,7 +351,7 @@ def add_program_step(case: "Case", mode: str, device: str, loss, model, guide, *
 def add_captured_step(case: "Case", mode: str, device: str, loss, model, guide, *args, label=None) -> None:
     """
     A row for the whole step captured (``loss_and_grads`` under ``TMC_ELBO(compile=mode)``,
-    :mod:`pyro_tmc.captured_step`): guide, model, estimate and gradients in one graph. The
+    :mod:`pyro_tmc.compile.captured_step`): guide, model, estimate and gradients in one graph. The
     parameters persist between steps (a replay does not re-run ``pyro.param``'s init); its
     first three calls are the compile column: an eager step, the capture, and the first
     replay, where ``torch.compile`` compiles the graph (it compiles lazily).

@@ -6,7 +6,7 @@ the run infeasible (3 s a step at K = 4). This module writes the same joint dens
 
 - :func:`vectorized_model` for TMC: the log volatilities in
   :func:`pyro.contrib.funsor.vectorized_markov`, so the model scores every day's transition in one
-  statement and :mod:`pyro_tmc.vectorized_markov` contracts the time dim in ``log2(T)`` batched
+  statement and :mod:`pyro_tmc.estimate.vectorized_markov` contracts the time dim in ``log2(T)`` batched
   matrix products. The guide (:class:`ChainGuide`) puts the three globals in one particle group:
   K joint draws of (persistence, mean, shock scale) on one dim, so each link of the chain is a
   ``(K, K, K)`` factor (global, day t-1, day t), not K^5 as with a dim per global.

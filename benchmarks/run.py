@@ -128,7 +128,7 @@ def vae_steps(
             step()  # traces and compiles (seconds): not timed
             steps[f"{name} compile='inductor'"] = step
         for name, make in (("TMC_ELBO", TMC_ELBO), ("IWAE_ELBO", IWAE_ELBO)):
-            # the whole step captured (pyro_tmc.captured_step): eager, then captured, then replayed
+            # the whole step captured (pyro_tmc.compile.captured_step): eager, then captured, then replayed
             loss = make(num_samples=num_samples, max_plate_nesting=1, compile="inductor")
 
             def whole_step(loss=loss):

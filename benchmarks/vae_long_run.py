@@ -34,8 +34,8 @@ import pyro
 from pyro.infer import SVI
 from pyro.optim import Adam
 
-from pyro_tmc.datasets import load_dataset
 from pyro_tmc.experiments.checkpoint import Checkpoint, CheckpointError
+from pyro_tmc.experiments.datasets import load_dataset
 from pyro_tmc.experiments.vae import Generative, binarise, make_elbo, recognition_model
 
 FIELDS = [

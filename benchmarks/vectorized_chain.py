@@ -9,11 +9,11 @@ The chain of ``benchmarks/frontier.py`` (``z_i ~ N(z_{i-1}, 1/N)``, ``x ~ N(z_N,
 factorised guide with a learnable loc / log-scale per step) written with
 :func:`pyro.contrib.funsor.vectorized_markov`: one sample statement for steps 2..N, so the
 model's ``log p(z_t | z_{t-1})`` is one stacked ``(N-1, K, K)`` tensor and the time dim is
-contracted by ``sequential_log_matmul_exp`` (:mod:`pyro_tmc.vectorized_markov`). Rows:
+contracted by ``sequential_log_matmul_exp`` (:mod:`pyro_tmc.estimate.vectorized_markov`). Rows:
 
 - ``vectorized_markov``: ``TMC_ELBO`` eagerly, then ``compile="inductor"`` (the estimate
   compiled) and ``compile="inductor", whole step`` (guide, model, estimate and gradients
-  captured into one graph, :mod:`pyro_tmc.captured_step`); the compile column is the first
+  captured into one graph, :mod:`pyro_tmc.compile.captured_step`); the compile column is the first
   call(s), apart from the step time;
 - ``pyro.markov``: the same chain unrolled, one sample statement per step (frontier's row);
 - the hand-written log-depth tree of ``frontier.py`` (``chain_log_factors`` +
@@ -81,7 +81,7 @@ Reading it:
   and compiled is 0.36x the eager tree at T=1000 (0.9x the compiled tree), and 0.56x at T=100;
   eagerly, vectorized_markov is 8x faster than the unrolled ``pyro.markov`` chain;
 - Fig. 4 chain (step scale ``1/sqrt(N)``, far below the particles' spread): nearly every link
-  product underflows when shifted, so pyro_tmc's exact repair (``pyro_tmc/log_einsum.py``)
+  product underflows when shifted, so pyro_tmc's exact repair (``pyro_tmc/ops/log_einsum.py``)
   runs, and a captured step with an underflow runs again eagerly: the compiled rows are no
   faster than eager. The unrolled chain pays the same repair; the hand-written tree makes none.
 - the estimates agree in distribution (the notes: -log P_TMC over 20 fresh draws each).

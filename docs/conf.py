@@ -47,7 +47,7 @@ autodoc_default_options = {"members": True}
 # Overridden methods without a docstring of their own (Lightning hooks, Pyro ELBO methods) are left
 # out rather than shown with their base class's text, whose markup is not ours.
 autodoc_inherit_docstrings = False
-# pyro_tmc.distributed needs the optional lightning package: stand it in when it is not installed.
+# pyro_tmc.contrib.lightning needs the optional lightning package: stand it in when it is not installed.
 autodoc_mock_imports = [] if importlib.util.find_spec("lightning") else ["lightning"]
 
 exclude_patterns = ["_build", "Thumbs.db", ".DS_Store"]

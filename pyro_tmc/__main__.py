@@ -32,8 +32,8 @@ def _require_experiments_extra() -> None:
 
 _require_experiments_extra()
 
-from .experiments import chain, report, toy, vae  # noqa: E402
-from .experiments.checkpoint import CheckpointError  # noqa: E402
+from pyro_tmc.experiments import chain, report, toy, vae  # noqa: E402
+from pyro_tmc.experiments.checkpoint import CheckpointError  # noqa: E402
 
 EXPERIMENTS = {"toy": toy, "chain": chain, "vae": vae}
 HELP = {

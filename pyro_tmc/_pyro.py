@@ -54,7 +54,7 @@ def param_store_holding(unconstrained: Dict[str, torch.Tensor]) -> Iterator[None
     A context in which the param store's named parameters are the given
     unconstrained tensors (``pyro.param(name)`` constrains them as usual), so
     that a captured step reads its parameters as graph inputs
-    (:mod:`pyro_tmc.captured_step`); the store's own tensors come back on exit.
+    (:mod:`pyro_tmc.compile.captured_step`); the store's own tensors come back on exit.
     ``ParamStoreDict`` has no public setter that keeps a parameter's identity.
     """
     store = pyro.get_param_store()

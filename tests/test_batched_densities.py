@@ -10,7 +10,7 @@ import pyro
 import pyro.distributions as dist
 
 from pyro_tmc import TMC_ELBO, batched_densities
-from pyro_tmc.batched_densities import MIN_GROUP, site_densities, stacked_log_probs
+from pyro_tmc.estimate.batched_densities import MIN_GROUP, site_densities, stacked_log_probs
 
 
 def batched_log_probs(pairs):

@@ -1,11 +1,11 @@
-"""The inductor pass that keeps CPU batched matrix products on one BLAS call (pyro_tmc/bmm_layout.py)."""
+"""The inductor pass that keeps CPU batched matrix products on one BLAS call (compile/bmm_layout.py)."""
 
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.profiler import profile
 
-from pyro_tmc.bmm_layout import BatchMajorBmmInputs, layout_under_inductor, takes_one_blas_call
-from pyro_tmc.compiled import inductor_settings
+from pyro_tmc.compile.bmm_layout import BatchMajorBmmInputs, layout_under_inductor, takes_one_blas_call
+from pyro_tmc.compile.compiled import inductor_settings
 
 aten = torch.ops.aten
 

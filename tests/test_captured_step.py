@@ -21,7 +21,7 @@ from pyro.distributions import constraints
 from pyro.infer import SVI
 
 from pyro_tmc import IWAE_ELBO, TMC_ELBO, TMC_RWS
-from pyro_tmc.captured_step import ROLLED_FROM
+from pyro_tmc.compile.captured_step import ROLLED_FROM
 
 try:
     from .test_compiled import _cases, chain_guide, chain_model, toy_guide, toy_model
@@ -560,7 +560,7 @@ def test_slower_replay_gives_way_to_the_eager_step(monkeypatch):
     x = torch.randn(6)
     loss = TMC_ELBO(num_samples=4, max_plate_nesting=1, compile="graph")
     clock = iter(range(0, 10**6, 1))
-    monkeypatch.setattr("pyro_tmc.captured_step.time.perf_counter", lambda: float(next(clock)))
+    monkeypatch.setattr("pyro_tmc.compile.captured_step.time.perf_counter", lambda: float(next(clock)))
     for _ in range(2):  # eager, captured: the eager step "took" 1 s
         loss.loss_and_grads(toy_model, toy_guide, x)
     program = loss.step_program
@@ -627,7 +627,7 @@ def test_repairs_sized_by_the_eager_step_run_with_no_branch():
     holds a cond out of a CUDA graph, and compiles its two branches apart. Captured
     with no counts, the repairs sit under a cond; both graphs give the same numbers.
     """
-    from pyro_tmc.captured_step import capture_step, flatten_arguments, unconstrained_parameters
+    from pyro_tmc.compile.captured_step import capture_step, flatten_arguments, unconstrained_parameters
 
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
@@ -734,7 +734,7 @@ def test_a_capture_is_sized_by_every_eager_step_of_its_key(monkeypatch):
     found none clean; the capture's own eager run repairs fewer.
     """
     from pyro_tmc import captured_step
-    from pyro_tmc.log_einsum import RepairCount
+    from pyro_tmc.ops.log_einsum import RepairCount
 
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
@@ -958,7 +958,7 @@ def test_a_long_step_of_large_ops_builds_its_wrapper_apart(monkeypatch, roll_abo
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
     settings = _recorded_inductor_settings(monkeypatch)
-    monkeypatch.setattr("pyro_tmc.captured_step.WRAPPER_APART_MEAN_SIZE", mean_size)
+    monkeypatch.setattr("pyro_tmc.compile.captured_step.WRAPPER_APART_MEAN_SIZE", mean_size)
     loss = chain_loss(4, compile="inductor")
     loss.step_program.roll_above = roll_above
     for _ in range(3):
@@ -974,7 +974,7 @@ def test_a_wrapper_built_apart_replays_the_eager_step(monkeypatch):
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
     settings = _recorded_inductor_settings(monkeypatch, compile_for_real=True)
-    monkeypatch.setattr("pyro_tmc.captured_step.WRAPPER_APART_MEAN_SIZE", 1)
+    monkeypatch.setattr("pyro_tmc.compile.captured_step.WRAPPER_APART_MEAN_SIZE", 1)
 
     def make_loss(**kwargs):
         loss = chain_loss(8, **kwargs)

@@ -286,7 +286,12 @@ def test_compile_keywords_carry_the_settings_and_the_mode():
     beside pyro_tmc's own, which a user's options override. Another backend gets the
     user's keywords untouched.
     """
-    from pyro_tmc.compiled import INDUCTOR_SETTINGS, compile_keywords, inductor_settings, uses_cuda_graphs
+    from pyro_tmc.compile.compiled import (
+        INDUCTOR_SETTINGS,
+        compile_keywords,
+        inductor_settings,
+        uses_cuda_graphs,
+    )
 
     assert INDUCTOR_SETTINGS.items() <= inductor_settings().items()
     assert compile_keywords({}) == {"dynamic": False, "options": inductor_settings()}
@@ -316,7 +321,7 @@ def test_a_compiled_step_graph_is_kept_in_inductors_graph_cache(monkeypatch, tmp
     from torch._dynamo.utils import counters
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from pyro_tmc.compiled import compiled_step_graph
+    from pyro_tmc.compile.compiled import compiled_step_graph
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     x = torch.randn(8, 3)
@@ -563,7 +568,7 @@ def test_inductor_writes_into_each_row_of_a_broadcast_destination():
     """
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from pyro_tmc.compiled import compiled_step_graph
+    from pyro_tmc.compile.compiled import compiled_step_graph
 
     x = torch.randn(6)
     rows, columns, values = torch.tensor([0, 1, 1]), torch.tensor([2, 2, 3]), torch.tensor([1.0, 10.0, 100.0])

@@ -11,7 +11,7 @@ import pyro.distributions as dist
 from pyro.ops.contract import naive_ubersum
 
 from pyro_tmc import TMC_ELBO
-from pyro_tmc.contraction import contract_log_factors, fuse_factors
+from pyro_tmc.ops.contraction import contract_log_factors, fuse_factors
 
 
 def _packed(tensor, dims):
@@ -143,7 +143,7 @@ def test_one_global_sum_fast_path_equals_general_contraction():
     latent): the direct sum-of-logs then logsumexp equals the ring contraction,
     value and gradient, with subsampling scales on nested plates.
     """
-    from pyro_tmc.contraction import _contract, _contract_one_global_sum, _is_one_global_sum, fuse_factors
+    from pyro_tmc.ops.contraction import _contract, _contract_one_global_sum, _is_one_global_sum, fuse_factors
 
     torch.manual_seed(0)
     shapes = {"k": 5, "a": 3, "b": 4}

@@ -89,7 +89,7 @@ def test_two_cpu_processes_stay_synchronised_and_learn(tmp_path):
     pytest.importorskip("lightning")
     import lightning.pytorch as pl
 
-    from pyro_tmc.distributed import fit_data_parallel
+    from pyro_tmc.contrib.lightning import fit_data_parallel
 
     class SaveRank(pl.Callback):
         """Each rank writes its final parameters and its own (unsynchronised) losses."""
@@ -141,7 +141,7 @@ def test_two_cpu_processes_stay_synchronised_and_learn(tmp_path):
 
 def test_parameters_outside_the_modules_are_refused():
     pytest.importorskip("lightning")
-    from pyro_tmc.distributed import TMCLightningModule
+    from pyro_tmc.contrib.lightning import TMCLightningModule
 
     class GlobalParamGuide(PyroModule):
         def forward(self, x, num_data=None):

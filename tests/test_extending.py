@@ -10,7 +10,7 @@ import pyro.distributions as dist
 
 from pyro_tmc import TMC_ELBO
 from pyro_tmc.infer.estimators import ESTIMATORS, GradientEstimator, register_estimator
-from pyro_tmc.proposals import PROPOSALS, Diagonal, register_proposal
+from pyro_tmc.poutine.proposals import PROPOSALS, Diagonal, register_proposal
 
 X = torch.tensor(0.7)
 

@@ -1,6 +1,6 @@
 """A step traced forward only, its backward derived: grad modes kept, custom backwards kept.
 
-The captured step (:mod:`pyro_tmc.captured_step`) traces the forward alone, rolls it,
+The captured step (:mod:`pyro_tmc.compile.captured_step`) traces the forward alone, rolls it,
 and takes autograd's backward of the rolled forward. The eager step's gradient must
 come out: operations the eager step ran without grad stay undifferentiated, and a
 custom ``autograd.Function``'s own backward is used, not the derivative of its forward.
@@ -16,7 +16,7 @@ import pyro
 import pyro.distributions as dist
 
 from pyro_tmc import TMC_ELBO
-from pyro_tmc.forward_trace import (
+from pyro_tmc.compile.forward_trace import (
     GradModeMarks,
     InGradModes,
     custom_backward,

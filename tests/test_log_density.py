@@ -5,7 +5,7 @@ import torch
 
 import pyro.distributions as dist
 
-from pyro_tmc.log_density import gaussian_pairwise_log_prob, log_prob
+from pyro_tmc.ops.log_density import gaussian_pairwise_log_prob, log_prob
 
 
 @pytest.mark.parametrize("units", [8, 64])
@@ -39,7 +39,7 @@ def test_falls_back_where_not_faster():
 
 
 def test_scalar_gaussian_equals_elementwise():
-    from pyro_tmc.log_density import scalar_gaussian_log_prob
+    from pyro_tmc.ops.log_density import scalar_gaussian_log_prob
 
     torch.manual_seed(1)
     value = torch.randn(7, 1, 5).requires_grad_()

@@ -20,14 +20,14 @@ from pyro import poutine
 from pyro.distributions import constraints
 
 from pyro_tmc import TMC_ELBO, TMC_RWS
-from pyro_tmc.captured_step import (
+from pyro_tmc.compile.captured_step import (
     ROLLED_FROM,
     batches_draws,
     capture_step,
     flatten_arguments,
     unconstrained_parameters,
 )
-from pyro_tmc.loop_rolling import LARGE_MEMBER, collapse_sum_chains, count_operations, roll
+from pyro_tmc.compile.loop_rolling import LARGE_MEMBER, collapse_sum_chains, count_operations, roll
 
 try:
     from .test_compiled import _cases, chain_guide, chain_model
@@ -454,9 +454,9 @@ def test_a_step_that_rolling_barely_batches_stays_unrolled():
     little (about 0.8 as many groups as operations) and add stacking: its step is
     captured unrolled, and replays the eager step's value.
     """
-    from pyro_tmc.captured_step import ROLL_AT_MOST, count_groups
+    from pyro_tmc.compile.captured_step import ROLL_AT_MOST, count_groups
+    from pyro_tmc.compile.loop_rolling import rolled_runner
     from pyro_tmc.experiments import vae
-    from pyro_tmc.loop_rolling import rolled_runner
 
     pyro.clear_param_store()
     pyro.set_rng_seed(0)

@@ -17,7 +17,7 @@ from pyro.infer.autoguide import AutoNormal
 from pyro.ops.indexing import Vindex
 
 from pyro_tmc import TMC_ELBO, TMC_RWS
-from pyro_tmc.sites import particle_symbol
+from pyro_tmc.poutine.sites import particle_symbol
 
 DATA = torch.tensor([0.3, -1.2, 2.0, 0.7])
 

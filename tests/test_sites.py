@@ -1,4 +1,4 @@
-"""The vocabulary of sites (pyro_tmc.sites) and the packed-layout view (pyro_tmc.shapes.packed_view)."""
+"""The vocabulary of sites (pyro_tmc.poutine.sites) and the packed-layout view (ops.shapes.packed_view)."""
 
 import pytest
 import torch
@@ -8,8 +8,8 @@ import pyro.distributions as dist
 from pyro import poutine
 
 from pyro_tmc import TMC_ELBO
-from pyro_tmc.shapes import packed_view
-from pyro_tmc.sites import (
+from pyro_tmc.ops.shapes import packed_view
+from pyro_tmc.poutine.sites import (
     is_delta,
     is_latent,
     is_marked_for_exact_sum,

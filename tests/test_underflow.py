@@ -18,8 +18,8 @@ import pyro
 import pyro.distributions as dist
 
 from pyro_tmc import TMC_ELBO, log_einsum
-from pyro_tmc.factors import contract_estimate
-from pyro_tmc.log_einsum import (
+from pyro_tmc.estimate.factors import contract_estimate
+from pyro_tmc.ops.log_einsum import (
     any_flag,
     counting_repairs,
     deferred_underflow_checks,

@@ -1,4 +1,4 @@
-"""Pyro's ``vectorized_markov`` chains under TMC (:mod:`pyro_tmc.vectorized_markov`).
+"""Pyro's ``vectorized_markov`` chains under TMC (:mod:`pyro_tmc.estimate.vectorized_markov`).
 
 Oracles: brute force over all K^T particle combinations on the very particles of a
 draw (read from its traces), float64; the unrolled ``pyro.markov`` chain on the same

@@ -21,8 +21,8 @@ from tqdm import tqdm
 import pyro
 import pyro.distributions as dist
 
-from .. import IWAE_ELBO, TMC_ELBO
-from . import plots, report
+from pyro_tmc import IWAE_ELBO, TMC_ELBO
+from pyro_tmc.experiments import plots, report
 
 
 def model(x: torch.Tensor, length: int) -> None:

@@ -97,7 +97,7 @@ def finish(args: argparse.Namespace, out: str, files: Sequence[str], data: str, 
     """Write ``run.json`` (what ran, on what data, with which versions) and print where everything went."""
     import pyro
 
-    from .. import __version__
+    from pyro_tmc import __version__
 
     write_json(
         dict(

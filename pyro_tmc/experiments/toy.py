@@ -15,8 +15,8 @@ import torch
 import pyro
 import pyro.distributions as dist
 
-from .report import timed_draws
-from .smc import smc_log_evidence
+from pyro_tmc.experiments.report import timed_draws
+from pyro_tmc.experiments.smc import smc_log_evidence
 
 
 def model(x: torch.Tensor) -> None:
@@ -161,7 +161,7 @@ def pivot(rows: Sequence[Dict], panel: str) -> List[Dict]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from .report import add_common_arguments
+    from pyro_tmc.experiments.report import add_common_arguments
 
     add_common_arguments(parser, "toy")
     parser.add_argument("--num-data", type=int, default=128, help="N for the sweep over K (panels A, B)")
@@ -192,7 +192,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> List[Dict]:
     """Paper Fig. 3: TMC, SMC, IWAE and the exact log p(x), swept over K and over N."""
-    from . import plots, report
+    from pyro_tmc.experiments import plots, report
 
     files = ["toy.csv", "toy.png"]
     out = report.prepare_output(args, files)

@@ -36,10 +36,10 @@ import pyro.distributions as dist
 from pyro.infer import SVI
 from pyro.optim import Adam
 
-from .. import IWAE_ELBO, TMC_ELBO
-from ..datasets import load_dataset
-from . import plots, report
-from .checkpoint import Checkpoint, CheckpointError
+from pyro_tmc import IWAE_ELBO, TMC_ELBO
+from pyro_tmc.experiments import plots, report
+from pyro_tmc.experiments.checkpoint import Checkpoint, CheckpointError
+from pyro_tmc.experiments.datasets import load_dataset
 
 LAYERS = (4, 8, 16, 32, 64)  # stochastic units, top to bottom
 RECOGNITION_WIDTHS = {"small": (128, 64, 32, 16, 8), "large": (512, 256, 128, 64, 32)}
@@ -367,12 +367,12 @@ class _Program(nn.Module):
 def train_data_parallel(config: TrainConfig, images: torch.Tensor, devices: int) -> Dict:
     """
     Train one configuration across ``devices`` processes (CPU: gloo; CUDA: one GPU each)
-    with :func:`pyro_tmc.distributed.fit_data_parallel`; each process takes its own
+    with :func:`pyro_tmc.contrib.lightning.fit_data_parallel`; each process takes its own
     minibatches and the plate scales them to the whole data.
 
     :returns: a row: the final training bound per data point, samples per second, wall time.
     """
-    from ..distributed import fit_data_parallel  # the optional lightning dependency
+    from pyro_tmc.contrib.lightning import fit_data_parallel  # the optional lightning dependency
 
     pyro.clear_param_store()
     # Lightning owns the parameters: module-local, and only for this run (no global setting changed).

@@ -1,11 +1,16 @@
 """Losses and read-outs built on the TMC contraction."""
 
-from .iwae_elbo import IWAE_ELBO
-from .moments import PooledMoments, PosteriorMoments, posterior_moments
-from .predictive import PosteriorDraws, PredictiveLogLikelihood, posterior_draws, predictive_log_likelihood
-from .qem import QEM, QEMGuide
-from .rws import TMC_RWS
-from .tmc_elbo import TMC_ELBO
+from pyro_tmc.infer.iwae_elbo import IWAE_ELBO
+from pyro_tmc.infer.moments import PooledMoments, PosteriorMoments, posterior_moments
+from pyro_tmc.infer.predictive import (
+    PosteriorDraws,
+    PredictiveLogLikelihood,
+    posterior_draws,
+    predictive_log_likelihood,
+)
+from pyro_tmc.infer.qem import QEM, QEMGuide
+from pyro_tmc.infer.rws import TMC_RWS
+from pyro_tmc.infer.tmc_elbo import TMC_ELBO
 
 __all__ = [
     "IWAE_ELBO",

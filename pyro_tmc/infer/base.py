@@ -16,14 +16,14 @@ class DifferentiableLossELBO(ELBO):
         with torch.no_grad():
             return self.differentiable_loss(model, guide, *args, **kwargs).item()
 
-    #: the loss's captured steps (:class:`~pyro_tmc.captured_step.StepProgram`), or ``None``: eager
+    #: the loss's captured steps (:class:`~pyro_tmc.compile.captured_step.StepProgram`), or ``None``: eager
     step_program = None
 
     def loss_and_grads(self, model, guide, *args, **kwargs) -> float:
         """
         Computes minus the bound, backpropagates it, and returns it as a float:
         by a captured graph of the whole step where the loss has one
-        (:mod:`pyro_tmc.captured_step`), else eagerly.
+        (:mod:`pyro_tmc.compile.captured_step`), else eagerly.
         """
         if self.step_program is None or not torch.is_grad_enabled():
             return self._eager_loss_and_grads(model, guide, args, kwargs)

@@ -40,8 +40,8 @@ from pyro.infer.util import is_validation_enabled
 from pyro.poutine import Trace
 from pyro.poutine.messenger import Messenger
 
-from ..shapes import log_prob_shape
-from ..sites import has_particle_dim, is_drawn, is_latent, own_particle_dim
+from pyro_tmc.ops.shapes import log_prob_shape
+from pyro_tmc.poutine.sites import has_particle_dim, is_drawn, is_latent, own_particle_dim
 
 #: Particle counts of the probe, by particle dim from the plates leftwards:
 #: distinct, and odd, so that no count is a common plate size.
@@ -266,7 +266,7 @@ def _value_batch_shape(site) -> torch.Size:
 
 def _density_shape(site) -> List[int]:
     """
-    The shape of the site's log density (:func:`~pyro_tmc.shapes.log_prob_shape`:
+    The shape of the site's log density (:func:`~pyro_tmc.ops.shapes.log_prob_shape`:
     ``torch.broadcast_shapes`` would import sympy on the first step).
     """
     return list(log_prob_shape(site))

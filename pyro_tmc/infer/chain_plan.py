@@ -32,10 +32,10 @@ import torch
 import pyro.poutine as poutine
 from pyro.poutine import Trace
 
-from ..poutine import TMCMessenger
-from ..poutine.chain_dims import AUXILIARY_SUFFIX, ChainDims
-from ..sites import has_particle_dim, is_latent, own_particle_dim
-from ..vectorized_markov import without_funsor_scoring
+from pyro_tmc.estimate.vectorized_markov import without_funsor_scoring
+from pyro_tmc.poutine import TMCMessenger
+from pyro_tmc.poutine.chain_dims import AUXILIARY_SUFFIX, ChainDims
+from pyro_tmc.poutine.sites import has_particle_dim, is_latent, own_particle_dim
 
 
 def argument_key(value) -> object:

@@ -30,17 +30,21 @@ from pyro.poutine import Trace
 from pyro.poutine.util import prune_subsample_sites
 from pyro.util import check_model_guide_match, check_traceenum_requirements
 
-from ..checks import check_finite, check_plate_dependencies, check_site_shapes
-from ..compiled import EstimateProgram
-from ..evaluation import EvaluationPlan, plan_evaluation
-from ..factors import LogFactor, compute_log_factors, contract_estimate
-from ..log_einsum import checks_deferred
-from ..particle_groups import particle_groups_of
-from ..poutine import TMCMessenger
-from ..poutine.chain_dims import ChainDims, ChainDimsConflict
-from ..poutine.tmc_messenger import ParticleDimsExhausted
-from ..scales import ScalePlan, symbolize
-from ..sites import (
+from pyro_tmc.compile.compiled import EstimateProgram
+from pyro_tmc.estimate.checks import check_finite, check_plate_dependencies, check_site_shapes
+from pyro_tmc.estimate.evaluation import EvaluationPlan, plan_evaluation
+from pyro_tmc.estimate.factors import LogFactor, compute_log_factors, contract_estimate
+from pyro_tmc.estimate.scales import ScalePlan, symbolize
+from pyro_tmc.estimate.vectorized_markov import markov_times, with_previous_steps, without_funsor_scoring
+from pyro_tmc.infer.broadcast_check import BroadcastCheck, run_probe
+from pyro_tmc.infer.chain_plan import ChainPlans, needs_plan
+from pyro_tmc.infer.collapse_check import collapse_refusal
+from pyro_tmc.infer.path_gradients import with_leaf_values
+from pyro_tmc.ops.log_einsum import checks_deferred
+from pyro_tmc.poutine import TMCMessenger
+from pyro_tmc.poutine.chain_dims import ChainDims, ChainDimsConflict
+from pyro_tmc.poutine.particle_groups import particle_groups_of
+from pyro_tmc.poutine.sites import (
     is_latent,
     is_summed_exactly,
     latent_names,
@@ -49,11 +53,7 @@ from ..sites import (
     particle_draw,
     source_weights,
 )
-from ..vectorized_markov import markov_times, with_previous_steps, without_funsor_scoring
-from .broadcast_check import BroadcastCheck, run_probe
-from .chain_plan import ChainPlans, needs_plan
-from .collapse_check import collapse_refusal
-from .path_gradients import with_leaf_values
+from pyro_tmc.poutine.tmc_messenger import ParticleDimsExhausted
 
 
 @dataclass
@@ -62,10 +62,10 @@ class DrawSettings:
     How a draw is made.
 
     :param int num_samples: K for every latent site that does not set its own.
-    :param proposal: the proposal strategy (name or :class:`~pyro_tmc.proposals.ProposalStrategy`).
+    :param proposal: the proposal strategy (name or :class:`~pyro_tmc.poutine.proposals.ProposalStrategy`).
     :param int max_plate_nesting: plate dims right of the particle dims.
     :param max_factor_bytes: a memory budget per log factor in bytes, ``"auto"`` (a share
-        of the memory available: :func:`pyro_tmc.memory.factor_budget`), or ``None``.
+        of the memory available: :func:`pyro_tmc.ops.memory.factor_budget`), or ``None``.
     :param bool joint: every sampled latent shares one particle dim: K joint
         samples of the guide, as IWAE draws them, instead of K per site.
     :param EstimateProgram program: where the estimate is computed by a cached
@@ -78,7 +78,7 @@ class DrawSettings:
     max_factor_bytes: Optional[int] = None
     #: every latent on one shared particle dim (IWAE's K joint samples)
     joint: bool = False
-    #: the loss's cache of estimate programs (:mod:`pyro_tmc.compiled`), or ``None``: eager
+    #: the loss's cache of estimate programs (:mod:`pyro_tmc.compile.compiled`), or ``None``: eager
     program: Optional[EstimateProgram] = None
     #: the loss's record of its hand-broadcasting probe (:mod:`pyro_tmc.infer.broadcast_check`)
     broadcast_check: Optional[BroadcastCheck] = None
@@ -100,7 +100,7 @@ class TMCDraw:
     :param Trace guide_trace: the guide run under ``tmc`` (replayed on the leaves,
         when there are leaves).
     :param EvaluationPlan plan: how its estimate is evaluated: the scale plan, the
-        memory budget, stacked densities, eager or compiled (:mod:`pyro_tmc.evaluation`),
+        memory budget, stacked densities, eager or compiled (:mod:`pyro_tmc.estimate.evaluation`),
         decided once and passed to everything that computes or reads the estimate.
     :param DrawSettings settings: how it was made.
     :param Trace live_trace: the guide's trace as drawn, differentiable in its
@@ -166,7 +166,7 @@ class TMCDraw:
 
     @property
     def scales(self) -> ScalePlan:
-        """Where each site's scale acts (:func:`pyro_tmc.scales.symbolize`)."""
+        """Where each site's scale acts (:func:`pyro_tmc.estimate.scales.symbolize`)."""
         return self.plan.scales
 
     def site(self, name: str) -> dict:
@@ -180,7 +180,7 @@ class TMCDraw:
     def factors(
         self, sources: Optional[Dict[str, torch.Tensor]] = None, detach_guide_proposals: bool = False
     ) -> List[LogFactor]:
-        """The packed log factors of every site (:func:`pyro_tmc.factors.compute_log_factors`)."""
+        """The packed log factors of every site (:func:`pyro_tmc.estimate.factors.compute_log_factors`)."""
         return compute_log_factors(
             self.model_trace, self.guide_trace, self.plan, sources, detach_guide_proposals
         )
@@ -232,13 +232,13 @@ class TMCDraw:
 
     def marginals(self):
         """:func:`pyro_tmc.infer.posterior.compute_marginals` of this draw."""
-        from . import posterior
+        from pyro_tmc.infer import posterior
 
         return posterior.compute_marginals(self)
 
     def sample(self, num_draws: int) -> Dict[str, torch.Tensor]:
         """:func:`pyro_tmc.infer.posterior.sample_posterior` of this draw."""
-        from . import posterior
+        from pyro_tmc.infer import posterior
 
         return posterior.sample_posterior(self, num_draws)
 

@@ -22,10 +22,10 @@ import torch
 
 from pyro.poutine import Trace
 
-from ..proposals import proposal_log_prob, sampling_log_prob
-from ..sites import is_drawn, is_latent, particle_draw, source_weights
-from .draw import DrawSettings, TMCDraw
-from .path_gradients import check_factorised, path_surrogate, reparameterised_latents
+from pyro_tmc.infer.draw import DrawSettings, TMCDraw
+from pyro_tmc.infer.path_gradients import check_factorised, path_surrogate, reparameterised_latents
+from pyro_tmc.poutine.proposals import proposal_log_prob, sampling_log_prob
+from pyro_tmc.poutine.sites import is_drawn, is_latent, particle_draw, source_weights
 
 #: name -> estimator class; ``None`` is the plain gradient
 ESTIMATORS: Dict[Optional[str], Type["GradientEstimator"]] = {}
@@ -86,8 +86,8 @@ class Plain(GradientEstimator):
     The gradient of the bound ``E[log P_TMC]``: of ``log P_TMC`` as it is, plus, for
     the guide's latents that are not reparameterised, a score-function (DiCE) term
     ``stop(log P_TMC) * grad sum_k log q(z^k)`` over the densities their particles
-    were drawn from (:func:`~pyro_tmc.proposals.sampling_log_prob`). With ``log q``
-    differentiable inside ``P_TMC`` too (:func:`~pyro_tmc.proposals.stops_proposal_density`),
+    were drawn from (:func:`~pyro_tmc.poutine.proposals.sampling_log_prob`). With ``log q``
+    differentiable inside ``P_TMC`` too (:func:`~pyro_tmc.poutine.proposals.stops_proposal_density`),
     the guide's parameters get an unbiased gradient of the bound, as ``Trace_ELBO``'s
     do (the same estimator at K = 1, no baseline).
     """

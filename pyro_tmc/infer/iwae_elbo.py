@@ -3,9 +3,9 @@
 import dataclasses
 from typing import Optional
 
-from ..sites import particle_draw
-from .draw import DrawSettings, TMCDraw
-from .tmc_elbo import TMC_ELBO
+from pyro_tmc.infer.draw import DrawSettings, TMCDraw
+from pyro_tmc.infer.tmc_elbo import TMC_ELBO
+from pyro_tmc.poutine.sites import particle_draw
 
 
 class IWAE_ELBO(TMC_ELBO):

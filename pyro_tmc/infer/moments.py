@@ -19,7 +19,7 @@ from typing import Callable, Dict, List, NamedTuple
 
 import torch
 
-from .posterior import marginals_and_log_estimate
+from pyro_tmc.infer.posterior import marginals_and_log_estimate
 
 WEIGHTINGS = ("evidence", "uniform")
 

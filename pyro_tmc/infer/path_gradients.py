@@ -53,7 +53,7 @@ import torch
 
 from pyro.poutine import Trace
 
-from ..sites import is_drawn, is_point_mass_latent, particle_draw
+from pyro_tmc.poutine.sites import is_drawn, is_point_mass_latent, particle_draw
 
 
 def reparameterised_latents(guide_trace: Trace, estimator: str) -> List[str]:

@@ -29,9 +29,10 @@ import torch
 from pyro.distributions import Categorical, Empirical
 from pyro.poutine import Trace
 
-from ..contraction import contract_log_factors
-from ..shapes import packed_view
-from ..sites import (
+from pyro_tmc.estimate.vectorized_markov import unscored_sites
+from pyro_tmc.ops.contraction import contract_log_factors
+from pyro_tmc.ops.shapes import packed_view
+from pyro_tmc.poutine.sites import (
     guide_only_sites,
     is_latent,
     is_point_mass,
@@ -40,7 +41,6 @@ from ..sites import (
     particle_symbol,
     source_weights,
 )
-from ..vectorized_markov import unscored_sites
 
 #: the packed symbol of the draws' batch dim (outside opt_einsum's generated range)
 DRAWS = "\u2203"
@@ -253,7 +253,7 @@ def _condition(term: torch.Tensor, symbol: str, index: torch.Tensor) -> torch.Te
 def _laid_out(
     term: torch.Tensor, dims: List[str], sizes: Dict[str, int], expand_to: List[str]
 ) -> torch.Tensor:
-    """``term`` viewed over ``dims`` (:func:`~pyro_tmc.shapes.packed_view`), expanded on ``expand_to``."""
+    """``term`` viewed over ``dims`` (:func:`~pyro_tmc.ops.shapes.packed_view`), expanded on ``expand_to``."""
     tensor = packed_view(term, dims)
     shape = [sizes[d] if d in expand_to else tensor.shape[i] for i, d in enumerate(dims)]
     return tensor.expand(shape)

@@ -42,8 +42,8 @@ from pyro.ops.rings import LogRing
 from pyro.poutine import Trace
 from pyro.poutine.messenger import Messenger
 
-from ..sites import is_latent, plate_frames
-from .tmc_elbo import TMC_ELBO
+from pyro_tmc.infer.tmc_elbo import TMC_ELBO
+from pyro_tmc.poutine.sites import is_latent, plate_frames
 
 #: the plate that holds the posterior draws in the test run
 DRAWS_PLATE = "_predictive_draws"

@@ -50,9 +50,9 @@ import pyro.distributions as dist
 from pyro import poutine
 from pyro.poutine.util import prune_subsample_sites
 
-from ..sites import is_latent, plate_frames
-from .posterior import marginals_and_log_estimate
-from .tmc_elbo import TMC_ELBO
+from pyro_tmc.infer.posterior import marginals_and_log_estimate
+from pyro_tmc.infer.tmc_elbo import TMC_ELBO
+from pyro_tmc.poutine.sites import is_latent, plate_frames
 
 #: the smallest variance (relative to 1 + mean^2) a Normal or LogNormal guide site keeps
 MIN_RELATIVE_VARIANCE = 1e-12
@@ -406,7 +406,7 @@ def _initial_statistics(site: dict, family, init_scale: float) -> Tuple[torch.Te
 
 
 def _whole_plate_frames(site: dict) -> tuple:
-    """:func:`~pyro_tmc.sites.plate_frames`, each of which must hold the whole plate."""
+    """:func:`~pyro_tmc.poutine.sites.plate_frames`, each of which must hold the whole plate."""
     frames = tuple(plate_frames(site))
     batch_shape = site["fn"].batch_shape
     for frame in frames:

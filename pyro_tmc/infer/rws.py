@@ -2,8 +2,8 @@
 
 from typing import Optional
 
-from .estimators import make_estimator
-from .tmc_elbo import TMC_ELBO
+from pyro_tmc.infer.estimators import make_estimator
+from pyro_tmc.infer.tmc_elbo import TMC_ELBO
 
 
 class TMC_RWS(TMC_ELBO):

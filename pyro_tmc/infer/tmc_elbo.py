@@ -7,17 +7,17 @@ import torch
 
 from pyro.util import warn_if_nan
 
-from ..captured_step import CHECK_EVERY, StepProgram
-from ..compiled import EstimateProgram
-from ..log_einsum import checks_deferred
-from ..memory import check_max_factor_bytes
-from ..poutine.tmc_messenger import check_num_samples
-from ..proposals import check_proposal
-from .base import DifferentiableLossELBO
-from .broadcast_check import BroadcastCheck
-from .chain_plan import ChainPlans
-from .draw import DrawSettings, TMCDraw
-from .estimators import make_estimator
+from pyro_tmc.compile.captured_step import CHECK_EVERY, StepProgram
+from pyro_tmc.compile.compiled import EstimateProgram
+from pyro_tmc.infer.base import DifferentiableLossELBO
+from pyro_tmc.infer.broadcast_check import BroadcastCheck
+from pyro_tmc.infer.chain_plan import ChainPlans
+from pyro_tmc.infer.draw import DrawSettings, TMCDraw
+from pyro_tmc.infer.estimators import make_estimator
+from pyro_tmc.ops.log_einsum import checks_deferred
+from pyro_tmc.ops.memory import check_max_factor_bytes
+from pyro_tmc.poutine.proposals import check_proposal
+from pyro_tmc.poutine.tmc_messenger import check_num_samples
 
 #: registered estimators that belong to another loss (TMC_RWS's wake-sleep)
 NOT_VARIANCE_REDUCTIONS = ("rws",)
@@ -39,7 +39,7 @@ class TMC_ELBO(DifferentiableLossELBO):
     stochastic upper bound on ``-log p(x)`` in expectation, for factorised and
     non-factorised guides alike: a site whose proposal depends on upstream
     particles gets a proposal density indexed by its own particle alone (see
-    :mod:`pyro_tmc.proposals`). Unlike :class:`pyro.infer.TraceTMC_ELBO`, no
+    :mod:`pyro_tmc.poutine.proposals`). Unlike :class:`pyro.infer.TraceTMC_ELBO`, no
     ``config_enumerate`` is needed.
 
     Model sites absent from the guide are drawn from the model's conditional;
@@ -67,13 +67,13 @@ class TMC_ELBO(DifferentiableLossELBO):
         factor exceeds 64 MiB, so small models build every factor whole.
         ``None``: every factor whole, whatever its size. A factor that cannot
         fit even in its smallest slice raises
-        :class:`~pyro_tmc.memory.FactorMemoryError` (a ``MemoryError``).
+        :class:`~pyro_tmc.ops.memory.FactorMemoryError` (a ``MemoryError``).
     :param str compile: ``None`` (default): every step runs eagerly.
         ``"graph"``: each step of ``loss_and_grads`` (what ``SVI.step`` calls)
         is captured once per argument shapes into one graph of tensor
         operations (guide, model, estimate and gradients, random draws
         included) and replayed at later steps with no Python per sample
-        statement (:mod:`pyro_tmc.captured_step`, whose docstring states the
+        statement (:mod:`pyro_tmc.compile.captured_step`, whose docstring states the
         contract: structure static for given argument shapes). ``"inductor"``:
         that graph is also compiled by ``torch.compile``. Values and gradients
         equal the eager step's on the same draws; what cannot be captured runs
@@ -83,12 +83,12 @@ class TMC_ELBO(DifferentiableLossELBO):
         or ``{"options": {...}}`` (inductor settings). A captured whole step is
         compiled by inductor from its graph directly (``torch._inductor.compile``,
         with those settings), except with CUDA graphs or another ``backend``
-        (:func:`pyro_tmc.compiled.compiled_step_graph`). On the CPU it gets
+        (:func:`pyro_tmc.compile.compiled.compiled_step_graph`). On the CPU it gets
         inductor's C++ wrapper unless the settings name ``cpp_wrapper``
-        (:data:`pyro_tmc.compiled.CPU_STEP_SETTINGS`).
+        (:data:`pyro_tmc.compile.compiled.CPU_STEP_SETTINGS`).
     :param str compile_scope: ``"step"`` (default): capture whole steps, as
         above; ``"estimate"``: run guide and model eagerly and capture only the
-        estimate from their traces (:mod:`pyro_tmc.compiled`), for a model whose
+        estimate from their traces (:mod:`pyro_tmc.compile.compiled`), for a model whose
         structure changes from step to step. Whatever is not captured whole
         (``loss``, ``differentiable_loss``, the read-outs) uses the estimate
         program either way.

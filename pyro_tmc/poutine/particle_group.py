@@ -6,7 +6,7 @@ from typing import Callable, Collection, Optional, Union
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.runtime import Message
 
-from ..particle_groups import PARTICLE_GROUP
+from pyro_tmc.poutine.particle_groups import PARTICLE_GROUP
 
 
 class ParticleGroupMessenger(Messenger):
@@ -15,7 +15,7 @@ class ParticleGroupMessenger(Messenger):
     (or on the named ones), so that under TMC they share one particle dim: particle
     ``k`` of each is drawn from its own proposal and indexed by the same ``k``, and a
     factor over several of them has one particle dim instead of one each (see
-    :mod:`pyro_tmc.particle_groups`). A site that sets the key itself, or an inner
+    :mod:`pyro_tmc.poutine.particle_groups`). A site that sets the key itself, or an inner
     ``particle_group``, keeps its own group. Use it in the guide (it draws the
     particles), or in the model around latents that the guide lacks.
 

@@ -10,8 +10,9 @@ from pyro.distributions.torch_distribution import TorchDistributionMixin
 from pyro.poutine.enum_messenger import EnumMessenger
 from pyro.poutine.runtime import Message
 
-from .._pyro import allocate_particle_dim, make_handler
-from ..particle_groups import (
+from pyro_tmc._pyro import allocate_particle_dim, make_handler
+from pyro_tmc.poutine.chain_dims import ChainDims, check_replayed_dims
+from pyro_tmc.poutine.particle_groups import (
     ParticleGroup,
     check_model_agrees,
     check_not_summed_exactly,
@@ -19,9 +20,8 @@ from ..particle_groups import (
     group_name,
     plate_names,
 )
-from ..proposals import draw_joint_particles, draw_particles, get_proposal
-from ..sites import is_delta, is_marked_for_exact_sum, own_particle_dim
-from .chain_dims import ChainDims, check_replayed_dims
+from pyro_tmc.poutine.proposals import draw_joint_particles, draw_particles, get_proposal
+from pyro_tmc.poutine.sites import is_delta, is_marked_for_exact_sum, own_particle_dim
 
 #: PyTorch tensors hold at most this many dims; particle dims beyond it cannot exist.
 MAX_TENSOR_DIMS = 64
@@ -122,13 +122,13 @@ class TMCMessenger(EnumMessenger):
     - ``"_enumerate_dim"`` and ``"_dim_to_id"``: the particle dim and the dims
       the value carries, as :class:`~pyro.poutine.enum_messenger.EnumMessenger`
       records them;
-    - ``"_tmc_draw"``: a :class:`~pyro_tmc.proposals.ParticleDraw` for sampled
+    - ``"_tmc_draw"``: a :class:`~pyro_tmc.poutine.proposals.ParticleDraw` for sampled
       sites, from which the proposal density indexed by the particle alone is
       computed.
 
     A site draws ``infer["num_samples"]`` particles if it sets it, else
     ``num_samples``. A site whose distribution depends on upstream particles
-    draws them by ``proposal`` (see :mod:`pyro_tmc.proposals`). A site marked
+    draws them by ``proposal`` (see :mod:`pyro_tmc.poutine.proposals`). A site marked
     ``infer={"enumerate": "parallel"}`` without ``num_samples`` whose
     distribution has enumerable support is enumerated over its support instead
     (exact marginalisation). A :class:`~pyro.distributions.Delta` site gets no
@@ -154,10 +154,10 @@ class TMCMessenger(EnumMessenger):
     :param joint_dim: ``"new"`` or a ``(dim, id)`` pair: every sampled latent
         shares one particle dim (IWAE's joint samples: K particle combinations,
         not K^n); ``"new"`` allocates it at the first sampled site.
-    :param particle_groups: name -> :class:`~pyro_tmc.particle_groups.ParticleGroup`
+    :param particle_groups: name -> :class:`~pyro_tmc.poutine.particle_groups.ParticleGroup`
         already set up by the run this one replays (the guide's), which this
         run's members join. A site marked ``infer={"particle_group": name}``
-        shares the group's particle dim (:mod:`pyro_tmc.particle_groups`); the
+        shares the group's particle dim (:mod:`pyro_tmc.poutine.particle_groups`); the
         first member of a new group allocates it.
     :param chain_dims: where the latents sampled outside every markov context
         put their particles: the dims the model's ``pyro.markov`` recycles

@@ -1,6 +1,6 @@
 """Loop rolling: a captured step's repeated operations, batched into one operation each.
 
-A ``pyro.markov`` loop of ``N`` steps is traced (:mod:`pyro_tmc.captured_step`) as
+A ``pyro.markov`` loop of ``N`` steps is traced (:mod:`pyro_tmc.compile.captured_step`) as
 ``N`` copies of the same block of operations: the guide's ``loc[i]`` read, its
 draw, the model's density of step ``i``, and their backward. Replaying the graph
 costs a Python call and a dispatch per operation, so a 1,000-step chain of about 40
@@ -40,7 +40,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from .forward_trace import NO_GRAD, grad_mode_of, runs_without_grad
+from pyro_tmc.compile.forward_trace import NO_GRAD, grad_mode_of, runs_without_grad
 
 aten = torch.ops.aten
 
@@ -915,7 +915,7 @@ def rolled_runner(module: GraphModule, batch_draws: bool = False) -> RolledStep:
     A :class:`RolledStep` of a traced step (see the module docstring), its graph
     tidied and its groups planned: called on tensors, it computes the step's outputs
     group by group, each in the grad mode the eager step ran it in. Traced under
-    autograd, it gives a rolled forward's backward (:mod:`pyro_tmc.forward_trace`).
+    autograd, it gives a rolled forward's backward (:mod:`pyro_tmc.compile.forward_trace`).
 
     :param module: a graph traced by ``make_fx`` (changed in place).
     :param bool batch_draws: see :func:`plan_groups`.

@@ -1,7 +1,7 @@
 """Where ``poutine.scale`` acts in the TMC estimate.
 
 A subsampled plate of full size N seen through B elements multiplies the plate's
-product of ``log(sum over particles)`` by N / B (:mod:`pyro_tmc.contraction`).
+product of ``log(sum over particles)`` by N / B (:mod:`pyro_tmc.ops.contraction`).
 ``poutine.scale`` used the same way, a common scale over a whole model or over
 everything inside a plate (e.g. a hand-made subsampling correction), acts the
 same way: on the log of the sum over particles, not inside it. This is what
@@ -33,7 +33,7 @@ import torch
 
 from pyro.poutine import Trace
 
-from .contraction import ChunkedFactor, factor_dims
+from pyro_tmc.ops.contraction import ChunkedFactor, factor_dims
 
 
 @dataclass
@@ -45,14 +45,14 @@ class ScalePlan:
     :param dict residual: site name -> the scale left on the site's own log
         factor (1.0 where the site's scale is fully carried by root and plates).
     :param dict markov_times: the ``vectorized_markov`` time dims among the plates
-        (:func:`pyro_tmc.vectorized_markov.markov_times`), contracted as chains.
+        (:func:`pyro_tmc.estimate.vectorized_markov.markov_times`), contracted as chains.
     """
 
     root: float = 1.0
     plate_scales: Dict[str, float] = field(default_factory=dict)
     residual: Dict[str, float] = field(default_factory=dict)
     #: time dims of ``vectorized_markov`` chains, contracted as chains, not products
-    #: (symbol -> :class:`pyro_tmc.vectorized_markov.MarkovTime`)
+    #: (symbol -> :class:`pyro_tmc.estimate.vectorized_markov.MarkovTime`)
     markov_times: Dict[str, object] = field(default_factory=dict)
 
     def site_scale(self, name: str):

@@ -22,7 +22,7 @@ import math
 import torch
 from torch.distributions import Distribution, Independent, Normal
 
-from .shapes import broadcast_shape
+from pyro_tmc.ops.shapes import broadcast_shape
 
 #: below this many units the elementwise route is as fast
 MIN_UNITS = 8

@@ -79,7 +79,7 @@ try:
     from lightning.pytorch.strategies import DDPStrategy
 except ImportError as error:  # pragma: no cover - exercised without lightning only
     raise ImportError(
-        "pyro_tmc.distributed needs PyTorch Lightning: pip install 'pyro-tmc[distributed]' "
+        "pyro_tmc.contrib.lightning needs PyTorch Lightning: pip install 'pyro-tmc[distributed]' "
         "(or pip install lightning)"
     ) from error
 

@@ -4,7 +4,7 @@ Tracing a step's loss and its ``autograd.grad`` together records the backward as
 autograd runs it: a block of backward operations for every forward block, so a
 1,000-link ``pyro.markov`` chain's backward is traced link by link (most of the
 trace's time) and then rolled with the forward. Tracing the forward alone,
-rolling it (:mod:`pyro_tmc.loop_rolling`), and running autograd on the rolled
+rolling it (:mod:`pyro_tmc.compile.loop_rolling`), and running autograd on the rolled
 forward under a second, short trace gives the gradients of the same operations
 from about 1,000 batched operations instead of about 20,000.
 
@@ -135,7 +135,7 @@ def derive_backward(forward: Callable, inputs: Sequence[torch.Tensor], num_param
     respect to the first ``num_params`` inputs (zeros where it does not depend on one).
 
     :param forward: the traced forward, run by :class:`InGradModes` or a
-        :class:`~pyro_tmc.loop_rolling.RolledStep` (which keeps the grad modes too).
+        :class:`~pyro_tmc.compile.loop_rolling.RolledStep` (which keeps the grad modes too).
     :param inputs: example inputs (traced as fake tensors).
     """
     from torch.fx.experimental.proxy_tensor import make_fx

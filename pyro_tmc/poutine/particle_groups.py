@@ -7,7 +7,7 @@ own proposal, independently given its parents) and indexed by the same ``k``, so
 factor over several members has one particle dim. The estimate is still unbiased:
 each member enters with its own ``log p - log q``, and the group's ``-log K`` (the
 average over its K joint particles) is counted once, at its first member
-(:func:`pyro_tmc.proposals.proposal_log_k`), as IWAE counts it once for all
+(:func:`pyro_tmc.poutine.proposals.proposal_log_k`), as IWAE counts it once for all
 latents. The price is fewer particle combinations: K for the group instead of K^n,
 hence a looser bound.
 
@@ -34,8 +34,8 @@ from torch.distributions import Distribution
 
 from pyro.poutine import Trace
 
-from .proposals import ParticleDraw, ProposalStrategy, draw_joint_particles, draw_particles
-from .sites import is_latent, particle_draw
+from pyro_tmc.poutine.proposals import ParticleDraw, ProposalStrategy, draw_joint_particles, draw_particles
+from pyro_tmc.poutine.sites import is_latent, particle_draw
 
 #: The ``infer`` key that puts a sample site in a particle group, by name.
 PARTICLE_GROUP = "particle_group"
@@ -171,7 +171,7 @@ def draw_member_particles(
     the group's dim: particle ``k`` is drawn given their particle ``k`` (one draw per
     ``k``, as IWAE's joint samples), and its density is that conditional, indexed by
     ``k``. Other upstream latents (``parent_dims``, the group's dim left out) are
-    chosen by ``strategy`` as for any site (:func:`~pyro_tmc.proposals.draw_particles`).
+    chosen by ``strategy`` as for any site (:func:`~pyro_tmc.poutine.proposals.draw_particles`).
 
     :param bool first: whether the site is the group's first member, whose term
         carries the group's ``-log K``.

@@ -7,7 +7,7 @@ Pyro's ``pyro.ops.einsum.torch_log`` computation, with two differences.
 
 First, the log of a sum that is zero (every term ``-inf``) is ``-inf`` with a
 zero gradient through :func:`safe_log`, built of ``torch.where``, where Pyro's
-uses a custom ``autograd.Function``. A traced graph (:mod:`pyro_tmc.compiled`)
+uses a custom ``autograd.Function``. A traced graph (:mod:`pyro_tmc.compile.compiled`)
 keeps what plain tensor operations do, but drops a custom Function's backward:
 it would turn those zero gradients into NaN. The same holds for the log-depth
 product of a chain of log matrices (:func:`sequential_log_matmul_exp`), which

@@ -8,8 +8,8 @@ So, per *plan* (everything about a draw except its tensor values):
 1. the traces are flattened into the tensors they hold (distribution parameters,
    values, masks, ancestors, sources) and a hashable key for the rest
    (:func:`flatten_draw`);
-2. on the first draw with that key, the eager code (:func:`pyro_tmc.factors.compute_log_factors`
-   and :func:`pyro_tmc.factors.contract_estimate`, unchanged) is traced by
+2. on the first draw with that key, the eager code (:func:`pyro_tmc.estimate.factors.compute_log_factors`
+   and :func:`pyro_tmc.estimate.factors.contract_estimate`, unchanged) is traced by
    ``make_fx`` into a graph of tensor operations, with fake tensors, so that any
    branch on a tensor's value fails loudly instead of being baked in;
 3. that graph is replayed on each later draw's tensors, eagerly (``"graph"``: no
@@ -22,7 +22,7 @@ among the inputs, a custom ``autograd.Function``, a memory budget) falls back to
 the eager path, with one warning per plan. A shape change is a new key, hence a
 new graph: the graph is traced again only when the plan changes, and at most
 :data:`MAX_PLANS` times per loss. A draw in which a log-space product underflowed
-(the graph flags it: :func:`pyro_tmc.log_einsum.deferred_underflow_checks`) is
+(the graph flags it: :func:`pyro_tmc.ops.log_einsum.deferred_underflow_checks`) is
 computed again eagerly, where the product is repaired.
 
 What the key must hold, because the graph bakes it in: every Python value the
@@ -46,14 +46,14 @@ from torch.distributions.transforms import Transform, _InverseTransform  # t.inv
 
 from pyro.poutine import Trace
 
-from .background_compile import BackgroundCompile
-from .checks import validate_samples
-from .evaluation import EvaluationPlan
-from .factors import compute_log_factors, contract_estimate
-from .forward_trace import custom_backward
-from .log_einsum import any_flag, deferred_underflow_checks
-from .proposals import ProposalStrategy
-from .scales import ScalePlan
+from pyro_tmc.compile.background_compile import BackgroundCompile
+from pyro_tmc.compile.forward_trace import custom_backward
+from pyro_tmc.estimate.checks import validate_samples
+from pyro_tmc.estimate.evaluation import EvaluationPlan
+from pyro_tmc.estimate.factors import compute_log_factors, contract_estimate
+from pyro_tmc.estimate.scales import ScalePlan
+from pyro_tmc.ops.log_einsum import any_flag, deferred_underflow_checks
+from pyro_tmc.poutine.proposals import ProposalStrategy
 
 MODES = (None, "graph", "inductor")
 
@@ -71,7 +71,7 @@ INDUCTOR_SETTINGS = {"max_fusion_buffer_group_pairwise_attempts": 16}
 CPU_STEP_SETTINGS = {"cpp_wrapper": True}
 
 #: inductor settings added for a captured step whose C++ wrapper is built apart
-#: (:func:`pyro_tmc.captured_step.builds_wrapper_apart`), unless ``compile_options`` set them: the
+#: (:func:`pyro_tmc.compile.captured_step.builds_wrapper_apart`), unless ``compile_options`` set them: the
 #: wrapper (one function with a statement or more per kernel and library call) at -O1, the
 #: kernels still at -O3: g++ at -O3 spends much of a long step's compile on that one function.
 #: At -O1 each call costs a little more, which shows where the kernels are small, so only steps
@@ -297,7 +297,7 @@ def trace_graph(flat: FlatDraw, detach_guide_proposals: bool) -> torch.fx.GraphM
     The eager estimate traced into a graph of tensor operations, with fake tensors.
     The graph returns ``(estimate, underflow)``: ``underflow`` (a boolean scalar)
     is set where a log-space product lost precision
-    (:func:`pyro_tmc.log_einsum.deferred_underflow_checks`), and the estimate must
+    (:func:`pyro_tmc.ops.log_einsum.deferred_underflow_checks`), and the estimate must
     then be computed eagerly.
 
     :raises GraphFallback: where tracing fails, or the graph holds a tensor that is
@@ -378,7 +378,7 @@ def estimates_eagerly() -> Iterator[None]:
     """
     Within this context, :meth:`EstimateProgram.log_estimate` neither builds nor runs a
     program: the estimate is computed eagerly. For the few eager steps of a captured
-    whole step (:mod:`pyro_tmc.captured_step`), which would otherwise trace and compile
+    whole step (:mod:`pyro_tmc.compile.captured_step`), which would otherwise trace and compile
     an estimate program that the replays never use.
     """
     token = _ESTIMATING_EAGERLY.set(True)
@@ -493,11 +493,11 @@ def compile_keywords(options: dict) -> dict:
 def inductor_settings() -> dict:
     """
     :data:`INDUCTOR_SETTINGS` that this torch's inductor has (an older one refuses an unknown
-    key), and :class:`~pyro_tmc.bmm_layout.BatchMajorBmmInputs` as its post-grad pass.
+    key), and :class:`~pyro_tmc.compile.bmm_layout.BatchMajorBmmInputs` as its post-grad pass.
     """
     settings = _available(INDUCTOR_SETTINGS)
     try:
-        from .bmm_layout import BATCH_MAJOR_BMM_INPUTS
+        from pyro_tmc.compile.bmm_layout import BATCH_MAJOR_BMM_INPUTS
     except ImportError:  # a torch without custom graph passes: inductor as it is
         return settings
     settings["post_grad_custom_post_pass"] = BATCH_MAJOR_BMM_INPUTS
@@ -524,7 +524,7 @@ def compiled_step_graph(
     Inductor's compile of a captured step's graph, made from the graph itself
     (``torch._inductor.compile``) at its first call, with that call's inputs as
     examples; with ``background``, in a child process, the graph replayed uncompiled
-    until the compile is done (:class:`~pyro_tmc.background_compile.BackgroundCompile`).
+    until the compile is done (:class:`~pyro_tmc.compile.background_compile.BackgroundCompile`).
     Dynamo is left out: it would trace the graph's code once more, and its
     guarded call adds to every replay (docs/performance.md, "The defaults, and
     why"). The graph holds its own

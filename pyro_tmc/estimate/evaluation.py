@@ -1,24 +1,24 @@
 """How a draw's estimate is evaluated: one plan, decided once per draw.
 
-The estimate is one sum-product, ``log P_TMC`` (:mod:`pyro_tmc.factors` is its
-math, :mod:`pyro_tmc.contraction` its contraction). *How* it is computed takes
+The estimate is one sum-product, ``log P_TMC`` (:mod:`pyro_tmc.estimate.factors` is its
+math, :mod:`pyro_tmc.ops.contraction` its contraction). *How* it is computed takes
 a few choices, and each is made here, once, when a draw is made
 (:meth:`pyro_tmc.infer.draw.TMCDraw.run`). Every path that computes the
 estimate reads the same :class:`EvaluationPlan`: the eager factors and
-contraction, the compiled estimate (:mod:`pyro_tmc.compiled`), and the
+contraction, the compiled estimate (:mod:`pyro_tmc.compile.compiled`), and the
 posterior read-outs.
 
-- **Scales** (:class:`~pyro_tmc.scales.ScalePlan`): where each site's scale
+- **Scales** (:class:`~pyro_tmc.estimate.scales.ScalePlan`): where each site's scale
   acts, on its factor or on the log of a plate's sum.
 - **Whole or sliced factors**: a memory budget (``max_factor_bytes``, resolved
-  once by :func:`~pyro_tmc.memory.factor_budget`) above which a latent's
+  once by :func:`~pyro_tmc.ops.memory.factor_budget`) above which a latent's
   ``log p`` is built slice by slice during the contraction.
 - **Stacked or per-site densities**: like sites' densities are evaluated in one
-  call (:mod:`pyro_tmc.batched_densities`), and a chain's links are then taken
-  in one operation per stack (:func:`~pyro_tmc.contraction.reduce_chains`).
+  call (:mod:`pyro_tmc.estimate.batched_densities`), and a chain's links are then taken
+  in one operation per stack (:func:`~pyro_tmc.ops.contraction.reduce_chains`).
   A stack holds whole factors, so a budget turns stacking off.
 - **Eager or a cached program**: ``compile=`` traces the eager code into a graph
-  per plan (:class:`~pyro_tmc.compiled.EstimateProgram`). Sliced factors
+  per plan (:class:`~pyro_tmc.compile.compiled.EstimateProgram`). Sliced factors
   checkpoint their slices, which a graph cannot, so a budget runs eagerly.
 
 Which contraction order, and whether a chain is taken by a log-depth tree, is the
@@ -29,11 +29,11 @@ path), not the plan's.
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Union
 
-from .memory import AUTO, factor_budget, itemsize
-from .scales import ScalePlan
+from pyro_tmc.estimate.scales import ScalePlan
+from pyro_tmc.ops.memory import AUTO, factor_budget, itemsize
 
 if TYPE_CHECKING:  # compiled imports factors, which reads this module
-    from .compiled import EstimateProgram
+    from pyro_tmc.compile.compiled import EstimateProgram
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """How much memory a log factor may take (max_factor_bytes="auto"), and the error when it cannot fit.
 
 A factor is built whole, or, above the budget, slice by slice along its site's
-particle dim (:class:`~pyro_tmc.contraction.ChunkedFactor`). The default budget
+particle dim (:class:`~pyro_tmc.ops.contraction.ChunkedFactor`). The default budget
 is a share of the memory actually available when the factors are built: the
 host's (``MemAvailable`` in ``/proc/meminfo``, less where a cgroup limit or
 ``RLIMIT_AS`` allows less) or, for factors on a CUDA device, the device's free
@@ -17,8 +17,8 @@ from typing import Dict, Iterable, Iterator, Optional, Union
 
 import torch
 
-from .shapes import log_prob_shape, particle_shape
-from .sites import has_particle_dim, own_particle_dim
+from pyro_tmc.ops.shapes import log_prob_shape, particle_shape
+from pyro_tmc.poutine.sites import has_particle_dim, own_particle_dim
 
 #: the default of ``max_factor_bytes``: a share of the available memory
 AUTO = "auto"

@@ -30,9 +30,9 @@ from torch.utils.checkpoint import checkpoint
 from pyro.ops.contract import contract_to_tensor
 from pyro.ops.rings import LogRing
 
-from .log_einsum import logsumexp_to_precision, safe_logsumexp, sequential_log_matmul_exp
-from .memory import mark_contraction_step
-from .shapes import packed_view
+from pyro_tmc.ops.log_einsum import logsumexp_to_precision, safe_logsumexp, sequential_log_matmul_exp
+from pyro_tmc.ops.memory import mark_contraction_step
+from pyro_tmc.ops.shapes import packed_view
 
 
 @dataclass
@@ -82,7 +82,7 @@ class ChunkedFactor:
 
 
 #: ``id(term) -> (term, stack, index)`` for the packed factors that are ``stack[index]`` of a stack
-#: of log factors (:class:`pyro_tmc.batched_densities.SiteDensities`), so that the contraction
+#: of log factors (:class:`pyro_tmc.estimate.batched_densities.SiteDensities`), so that the contraction
 #: can take many such slices at once. Each entry holds its factor, which keeps its id unique.
 StackedSlices = Dict[int, Tuple[torch.Tensor, torch.Tensor, int]]
 
@@ -107,7 +107,7 @@ class PlateScaledLogRing(LogRing):
     """
 
     #: Pyro's log-space einsum in plain tensor operations, so that a traced graph keeps its gradient
-    _backend = "pyro_tmc.log_einsum"
+    _backend = "pyro_tmc.ops.log_einsum"
 
     def __init__(self, cache=None, dim_to_size=None, plate_scales=None):
         super().__init__(cache=cache, dim_to_size=dim_to_size)
@@ -588,10 +588,10 @@ def reduce_chains(
     Contract every chain of pairwise factors (``pyro.markov`` models: z_1 - z_2 - ... - z_N)
     in O(log N) depth (:func:`find_chains`): the links are stacked, each with the
     unary factors of the dim it leads to added, and multiplied by a balanced tree of
-    log-matmul-exps (:func:`~pyro_tmc.log_einsum.sequential_log_matmul_exp`). The
+    log-matmul-exps (:func:`~pyro_tmc.ops.log_einsum.sequential_log_matmul_exp`). The
     chain is replaced by one factor between its two ends; the ends' unary factors
     stay. Factors that are slices of one stacked tensor (the links' densities,
-    evaluated together: :mod:`pyro_tmc.batched_densities`) are taken in one
+    evaluated together: :mod:`pyro_tmc.estimate.batched_densities`) are taken in one
     operation per stack, not one per link (``stacks``: :data:`StackedSlices`).
     """
     plates = frozenset(plates)
@@ -697,7 +697,7 @@ def _as_slice(indices: List[int]) -> Optional[slice]:
 
 
 # Rows are taken and placed by slices, or one by one, never through an index tensor:
-# made here, it would be a constant in a traced graph (pyro_tmc.compiled), which
+# made here, it would be a constant in a traced graph (pyro_tmc.compile.compiled), which
 # refuses constants.
 
 
@@ -726,7 +726,7 @@ def _contract_one_global_sum(tensors, sum_dims, plate_scales) -> torch.Tensor:
     """
     ``log sum_k prod_f prod_plates exp(f)``: each factor's plate products are
     sums of logs (scaled by the plates' scales), then one logsumexp over k, to the
-    dtype's precision (:func:`~pyro_tmc.log_einsum.logsumexp_to_precision`). The
+    dtype's precision (:func:`~pyro_tmc.ops.log_einsum.logsumexp_to_precision`). The
     same value as the general contraction, without its planning.
     """
     total = 0.0

@@ -25,9 +25,9 @@ from torch.distributions import Distribution, Independent
 
 from pyro.poutine import Trace
 
-from . import log_density
-from .proposals import constructor_parameters, proposal_log_k
-from .sites import guide_only_sites, is_sample, particle_draw, proposal_site
+from pyro_tmc.ops import log_density
+from pyro_tmc.poutine.proposals import constructor_parameters, proposal_log_k
+from pyro_tmc.poutine.sites import guide_only_sites, is_sample, particle_draw, proposal_site
 
 #: the smallest group worth stacking: below this, site by site is as fast
 MIN_GROUP = 4
@@ -39,7 +39,7 @@ _KNOWN_MODULES = ("torch.distributions", "pyro.distributions")
 def _parameters(base: Distribution) -> Optional[Dict[str, Tuple[torch.Tensor, int]]]:
     """
     The constructor's tensor arguments of a distribution over scalars
-    (:func:`~pyro_tmc.proposals.constructor_parameters`), each with its own event
+    (:func:`~pyro_tmc.poutine.proposals.constructor_parameters`), each with its own event
     dims (1 for a Categorical's logits, 0 for a Normal's loc), or ``None`` where
     the distribution cannot be rebuilt from them.
     """
@@ -186,7 +186,7 @@ class SiteDensities:
     Log densities computed for groups of sites at once, kept as ``(stack, index)``
     by ``id`` of the site dict (:func:`stacked_log_probs`), and their packing, also
     done once per group: each site's packed factor is then a slice of one stacked
-    tensor, recorded by :meth:`slice_of` (:data:`pyro_tmc.contraction.StackedSlices`),
+    tensor, recorded by :meth:`slice_of` (:data:`pyro_tmc.ops.contraction.StackedSlices`),
     which lets the contraction take a whole chain's links in one operation.
     """
 
@@ -254,7 +254,7 @@ class SiteDensities:
     def proposal_factor(self, q_site, detach: bool, dim_to_symbol: Dict[int, str]):
         """
         The packed ``-log q - log K`` of proposal ``q_site`` as a slice of one stacked
-        tensor for its group (:func:`~pyro_tmc.proposals.proposal_log_k`), or ``None``.
+        tensor for its group (:func:`~pyro_tmc.poutine.proposals.proposal_log_k`), or ``None``.
         """
         where = self.log_q.get(id(q_site))
         if where is None:

@@ -6,16 +6,16 @@ factors for a directed graphical model"):
 - observed site: ``log p(x | parents)``;
 - sampled latent: ``log p(z^k | parents) - log q(z^k) - log K``, where ``q`` is
   the density that drew particle ``k``, indexed by ``k`` alone
-  (:func:`pyro_tmc.proposals.proposal_log_prob`): the guide's for guide sites,
+  (:func:`pyro_tmc.poutine.proposals.proposal_log_prob`): the guide's for guide sites,
   the model's own conditional for model-only sites;
 - exactly enumerated latent: ``log p(z | parents)`` (uniform proposal over the
   support, stratified: ``q = 1/K`` cancels ``1/K``).
 
 Dims are packed (``._pyro_dims``) with the symbols Pyro's traces assign. This
-module is the math; around it, :mod:`pyro_tmc.sites` says which site is what,
-:mod:`pyro_tmc.batched_densities` evaluates the densities of many sites at once,
-:mod:`pyro_tmc.memory` sets the budget above which a factor is built in slices,
-and :mod:`pyro_tmc.checks` holds the checks.
+module is the math; around it, :mod:`pyro_tmc.poutine.sites` says which site is what,
+:mod:`pyro_tmc.estimate.batched_densities` evaluates the densities of many sites at once,
+:mod:`pyro_tmc.ops.memory` sets the budget above which a factor is built in slices,
+and :mod:`pyro_tmc.estimate.checks` holds the checks.
 """
 
 import math
@@ -27,16 +27,23 @@ from pyro.distributions.util import scale_and_mask
 from pyro.ops.packed import pack
 from pyro.poutine import Trace
 
-from . import log_density
-from .batched_densities import SiteDensities, site_densities
-from .checks import log_prob_error, packing_error
-from .contraction import ChunkedFactor, contract_log_factors, factor_dims
-from .evaluation import EvaluationPlan
-from .memory import can_chunk, contraction_memory_error, itemsize, naming_the_site, site_memory_error
-from .proposals import proposal_log_k, proposal_log_prob, stops_proposal_density
-from .scales import ScalePlan, keep_scaled_unit_plates
-from .shapes import broadcast_shape, log_prob_shape
-from .sites import (
+from pyro_tmc.estimate.batched_densities import SiteDensities, site_densities
+from pyro_tmc.estimate.checks import log_prob_error, packing_error
+from pyro_tmc.estimate.evaluation import EvaluationPlan
+from pyro_tmc.estimate.scales import ScalePlan, keep_scaled_unit_plates
+from pyro_tmc.estimate.vectorized_markov import reduce_markov_times, unscored_sites
+from pyro_tmc.ops import log_density
+from pyro_tmc.ops.contraction import ChunkedFactor, contract_log_factors, factor_dims
+from pyro_tmc.ops.memory import (
+    can_chunk,
+    contraction_memory_error,
+    itemsize,
+    naming_the_site,
+    site_memory_error,
+)
+from pyro_tmc.ops.shapes import broadcast_shape, log_prob_shape
+from pyro_tmc.poutine.proposals import proposal_log_k, proposal_log_prob, stops_proposal_density
+from pyro_tmc.poutine.sites import (
     guide_only_sites,
     is_point_mass,
     is_sample,
@@ -46,16 +53,15 @@ from .sites import (
     particle_symbol,
     proposal_site,
 )
-from .vectorized_markov import reduce_markov_times, unscored_sites
 
 
 class LogFactor(NamedTuple):
     """
     A packed log factor and the site it came from (for error messages). The
-    term is a packed tensor, or a :class:`~pyro_tmc.contraction.ChunkedFactor`
+    term is a packed tensor, or a :class:`~pyro_tmc.ops.contraction.ChunkedFactor`
     that computes it slice by slice under a memory budget; ``stacked`` is
     ``(stack, index)`` where the term is ``stack[index]`` of its group's stacked
-    densities (:class:`~pyro_tmc.batched_densities.SiteDensities`).
+    densities (:class:`~pyro_tmc.estimate.batched_densities.SiteDensities`).
     """
 
     site: str
@@ -90,7 +96,7 @@ def _is_unit(scale) -> bool:
 def log_p(site, scale, mask, densities: Optional[SiteDensities]) -> torch.Tensor:
     """
     The site's packed ``log p``, scaled and masked: a slice of its group's stack
-    where the group was evaluated at once (:mod:`pyro_tmc.batched_densities`)
+    where the group was evaluated at once (:mod:`pyro_tmc.estimate.batched_densities`)
     and nothing scales or masks it.
     """
     dim_to_symbol = site["infer"]["_dim_to_symbol"]
@@ -109,8 +115,8 @@ def neg_log_q(
 ) -> torch.Tensor:
     """
     The packed ``-log q - log K`` of a latent's proposal ``q_site``
-    (:func:`~pyro_tmc.proposals.proposal_log_k`; ``detach``: its gradient stopped,
-    :func:`~pyro_tmc.proposals.stops_proposal_density`), plus ``source`` if given. A
+    (:func:`~pyro_tmc.poutine.proposals.proposal_log_k`; ``detach``: its gradient stopped,
+    :func:`~pyro_tmc.poutine.proposals.stops_proposal_density`), plus ``source`` if given. A
     Delta proposal contributes its ``log_density`` (AutoNormal's log|Jacobian|).
     A masked element contributes ``log p - log q = 0`` for each particle, and the
     ``-log K`` keeps its sum over particles at 1.
@@ -175,7 +181,7 @@ def site_log_factors(
     ``log p`` and, for a sampled latent, ``-log q - log K`` as a second tensor.
     They are kept apart because ``log q`` has only the site's own particle dim
     while ``log p`` also has its parents': the contraction adds the small
-    terms together before touching the large one (:func:`~pyro_tmc.contraction.fuse_factors`).
+    terms together before touching the large one (:func:`~pyro_tmc.ops.contraction.fuse_factors`).
 
     An exactly summed latent keeps its own ``log p`` unmasked under
     ``poutine.mask`` (it sums to one over the support, as ``TraceEnum_ELBO``
@@ -183,19 +189,19 @@ def site_log_factors(
     site is a Delta has no particles: its factor is ``log p - log q_delta``.
 
     :param scale: the tempering left on the site's factor
-        (:meth:`~pyro_tmc.scales.ScalePlan.site_scale`): plate subsampling and
+        (:meth:`~pyro_tmc.estimate.scales.ScalePlan.site_scale`): plate subsampling and
         poutine.scale common to a plate or the model act on the log of the sum over
-        particles instead (:mod:`pyro_tmc.scales`).
+        particles instead (:mod:`pyro_tmc.estimate.scales`).
     :param torch.Tensor source: an optional zero tensor added to the factor; the
         gradient of log P_TMC with respect to it is the posterior marginal of the
         site's particles (the autodiff identity of the alan library).
     :param bool detach_guide_proposal: stop the gradient through the guide's
         density (the path-gradient estimators take the guide's gradient elsewhere).
     :param int max_factor_elements: a latent site's ``log p`` larger than this is
-        returned as a :class:`~pyro_tmc.contraction.ChunkedFactor`, computed slice
+        returned as a :class:`~pyro_tmc.ops.contraction.ChunkedFactor`, computed slice
         by slice along the site's own particle dim during the contraction.
     :param SiteDensities densities: log densities already computed for groups of
-        sites (:func:`~pyro_tmc.batched_densities.site_densities`); the rest are computed here.
+        sites (:func:`~pyro_tmc.estimate.batched_densities.site_densities`); the rest are computed here.
     """
     site = model_trace.nodes[name]
     dim_to_symbol = site["infer"]["_dim_to_symbol"]
@@ -260,7 +266,7 @@ def compute_log_factors(
         particles, with ``symbolize`` applied.
     :param Trace guide_trace: the guide run under ``tmc``.
     :param EvaluationPlan plan: the draw's scales, and whether factors are whole
-        (densities stacked) or sliced under a budget (:mod:`pyro_tmc.evaluation`).
+        (densities stacked) or sliced under a budget (:mod:`pyro_tmc.estimate.evaluation`).
     :param dict sources: site name -> zero tensor added to that site's factor.
     :param bool detach_guide_proposals: see :func:`site_log_factors`.
     :raises FactorMemoryError: naming the site whose factor cannot be allocated.
@@ -339,7 +345,7 @@ def _whole(term: Union[torch.Tensor, ChunkedFactor]) -> torch.Tensor:
 
 def _largest_factor_error(error: RuntimeError, factors: List[LogFactor], plates: Iterable[str]):
     """
-    :func:`~pyro_tmc.memory.contraction_memory_error` naming the largest of ``factors``, and
+    :func:`~pyro_tmc.ops.memory.contraction_memory_error` naming the largest of ``factors``, and
     each particle dim by the first site whose factor holds it (its own: parents come first).
     """
     sizes = [f.term.numel if isinstance(f.term, ChunkedFactor) else f.term.numel() for f in factors]

@@ -9,7 +9,7 @@ call, several times slower (docs/performance.md, "The defaults, and why").
 
 TMC's factors are laid out as Pyro lays out its dims, particles left and plates
 right, so a gradient of shape (K, K_parent, B) reaches the backward of a pairwise
-Gaussian density (:mod:`pyro_tmc.log_density`) as a permuted view, batch first.
+Gaussian density (:mod:`pyro_tmc.ops.log_density`) as a permuted view, batch first.
 Eagerly that view is cheap: elementwise ops keep their inputs' memory order, so
 the tensor under it is batch-major already. Inductor instead lays out each
 buffer it computes contiguously in its own shape, so the permuted view has
@@ -95,7 +95,7 @@ class BatchMajorBmmInputs(CustomGraphPass):
             node.args = tuple(operands)
 
     def uuid(self) -> str:
-        return "pyro_tmc.bmm_layout.BatchMajorBmmInputs.1"
+        return "pyro_tmc.compile.bmm_layout.BatchMajorBmmInputs.1"
 
 
 #: the pass, one object: settings that hold it compare equal

@@ -7,7 +7,7 @@ its uncompiled graph (the same operations, one by one: slower than compiled, far
 than eager for that chain) until the compiled code is ready, then switches to it. Training
 starts after the capture (the figures: docs/performance.md).
 
-The compile runs in a child process (``python -m pyro_tmc.background_compile``), not a
+The compile runs in a child process (``python -m pyro_tmc.compile.background_compile``), not a
 thread: inductor's compile is mostly Python, and in a thread it held the interpreter lock
 that the replay's operations need between them, so replays stalled while it ran. The child
 compiles the graph into inductor's on-disk cache (``TORCHINDUCTOR_CACHE_DIR``, which it
@@ -110,7 +110,7 @@ class BackgroundCompile:
         self._files = [path, path + ".log"]
         with open(path + ".log", "wb") as log:
             self._child = subprocess.Popen(
-                [sys.executable, "-m", "pyro_tmc.background_compile", path], stdout=log, stderr=log
+                [sys.executable, "-m", "pyro_tmc.compile.background_compile", path], stdout=log, stderr=log
             )
         _CHILDREN[self._child] = self._files
 
@@ -166,7 +166,7 @@ def _compile_job(path: str) -> None:
     import torch._dynamo  # noqa: F401 (inductor's tracing expects dynamo's modules loaded)
     import torch._higher_order_ops.triton_kernel_wrap  # noqa: F401
 
-    from .compiled import compile_captured_graph
+    from pyro_tmc.compile.compiled import compile_captured_graph
 
     with open(path, "rb") as file:
         blob, specs, settings = pickle.load(file)

@@ -24,10 +24,10 @@ The contract, as Pyro's ``JitTrace_ELBO`` states its own:
 - **What cannot be captured runs eagerly, with one warning saying why**: a branch
   on a tensor's value, a tensor read that is neither a parameter nor an argument
   (a data tensor held by a closure: pass it as an argument). The forward is traced
-  alone and its backward derived from it (:mod:`pyro_tmc.forward_trace`), except
+  alone and its backward derived from it (:mod:`pyro_tmc.compile.forward_trace`), except
   where a custom ``autograd.Function`` or a tensor hook is used: that step's
   backward is traced as autograd runs it, so the Function's own backward is in the
-  graph (unlike the estimate-only program of :mod:`pyro_tmc.compiled`).
+  graph (unlike the estimate-only program of :mod:`pyro_tmc.compile.compiled`).
 - **A structure change that keeps every shape** (a Python ``if`` on a global
   flag) cannot be seen by a replayed graph. Every ``check_every``-th step of a key
   runs eagerly and compares its structure (each site's name, distribution,
@@ -35,12 +35,12 @@ The contract, as Pyro's ``JitTrace_ELBO`` states its own:
   warns and captures again. Between two checks, a step runs the structure that was
   captured. ``check_every=1`` checks every step (and so captures nothing useful).
 - **A step whose value is not finite, or whose log-space products underflowed**
-  (:func:`pyro_tmc.log_einsum.deferred_underflow_checks`), runs again eagerly
+  (:func:`pyro_tmc.ops.log_einsum.deferred_underflow_checks`), runs again eagerly
   from the same random state, where the products are repaired and a bad site is
   named.
 
 A captured step whose forward has more than :data:`ROLL_ABOVE` operations (a long
-``pyro.markov`` loop, about ten per step) is rolled (:mod:`pyro_tmc.loop_rolling`): its
+``pyro.markov`` loop, about ten per step) is rolled (:mod:`pyro_tmc.compile.loop_rolling`): its
 repeated blocks become one batched operation each, and the backward is traced through
 the rolled forward, so a 1,000-step chain is traced once, not twice, step by step, and
 replays as about 2,300 operations, not 33,000.
@@ -66,9 +66,9 @@ import torch
 import pyro
 from pyro.poutine.messenger import Messenger
 
-from ._pyro import param_store_holding
-from .background_compile import warn_replayed_uncompiled
-from .compiled import (
+from pyro_tmc._pyro import param_store_holding
+from pyro_tmc.compile.background_compile import warn_replayed_uncompiled
+from pyro_tmc.compile.compiled import (
     MODES,
     GraphFallback,
     compiled_step_graph,
@@ -76,15 +76,22 @@ from .compiled import (
     uses_cuda_graphs,
     warn_fallback,
 )
-from .forward_trace import GradModeMarks, HookWatch, InGradModes, as_leaves, custom_backward, derive_backward
-from .log_einsum import (
+from pyro_tmc.compile.forward_trace import (
+    GradModeMarks,
+    HookWatch,
+    InGradModes,
+    as_leaves,
+    custom_backward,
+    derive_backward,
+)
+from pyro_tmc.compile.loop_rolling import count_groups, count_operations, roll, rolled_runner
+from pyro_tmc.ops.log_einsum import (
     RepairCount,
     any_flag,
     counting_repairs,
     deferred_underflow_checks,
     merge_repair_counts,
 )
-from .loop_rolling import count_groups, count_operations, roll, rolled_runner
 
 #: keys captured per loss: an argument whose shape changes every step stops being captured after this many
 MAX_CAPTURES = 8
@@ -94,7 +101,8 @@ MAX_CAPTURES = 8
 #: uncompiled instead (``StepProgram.max_inductor_nodes``; ``None``: no limit)
 MAX_INDUCTOR_NODES = 3000
 
-#: a captured step whose forward has more operations than this is rolled (:mod:`pyro_tmc.loop_rolling`):
+#: a captured step whose forward has more operations than this is rolled
+#: (:mod:`pyro_tmc.compile.loop_rolling`):
 #: its repeated blocks, a ``pyro.markov`` loop's steps, batched into one operation each; the whole
 #: step, its backward included, has about three times as many (``StepProgram.roll_above``; ``None``: never)
 ROLL_ABOVE = 400
@@ -342,17 +350,17 @@ def capture_step(
     to the named parameters into one graph of ``(params..., arguments...) ->
     (loss, underflow, grads...)``.
 
-    The forward is traced alone, then its backward from it (:mod:`pyro_tmc.forward_trace`):
-    from the forward rolled (:mod:`pyro_tmc.loop_rolling`) where it has more than
+    The forward is traced alone, then its backward from it (:mod:`pyro_tmc.compile.forward_trace`):
+    from the forward rolled (:mod:`pyro_tmc.compile.loop_rolling`) where it has more than
     ``roll_above`` operations. A step with a custom ``autograd.Function`` or a tensor
     hook is traced again, with its backward as autograd runs it, and that graph is rolled.
 
     :param list repair_counts: how many entries each log-space matrix product of
-        an eager run of the step repaired (:func:`~pyro_tmc.log_einsum.counting_repairs`):
+        an eager run of the step repaired (:func:`~pyro_tmc.ops.log_einsum.counting_repairs`):
         the graph's repairs are sized to them.
     :param int roll_above: roll a step of more forward operations than this
         (``None``: never).
-    :param bool batch_draws: see :func:`~pyro_tmc.loop_rolling.plan_groups`.
+    :param bool batch_draws: see :func:`~pyro_tmc.compile.loop_rolling.plan_groups`.
 
     :returns: the graphs, and the structure the trace recorded.
     :raises GraphFallback: where tracing fails (a branch on values, a tensor read
@@ -499,7 +507,7 @@ def _rolled(
     graph: torch.fx.GraphModule, inputs: List[torch.Tensor], roll_above: Optional[int], batch_draws: bool
 ) -> torch.fx.GraphModule:
     """
-    A whole step's graph, backward included, rolled (:func:`pyro_tmc.loop_rolling.roll`)
+    A whole step's graph, backward included, rolled (:func:`pyro_tmc.compile.loop_rolling.roll`)
     where it has more than ``roll_above`` operations and rolling makes it smaller; else itself.
     """
     graph.graph.eliminate_dead_code()
@@ -542,7 +550,7 @@ def _fallback_reason(error: Exception, read_a_value: bool = False) -> str:
     Why tracing failed, in the user's terms where the tracer's message is about its own.
 
     :param bool read_a_value: whether the step read a tensor's value as a Python number
-        before it failed (:class:`~pyro_tmc.forward_trace.GradModeMarks`): the tracer then
+        before it failed (:class:`~pyro_tmc.compile.forward_trace.GradModeMarks`): the tracer then
         fails later, on the symbol it gave for that number, with a message about something
         else (an index that is a ``SymInt``; a site named ``"x_u0"`` that the model lacks).
     """
@@ -587,19 +595,20 @@ class StepProgram:
         self._steps: Dict[tuple, CapturedStep] = {}
         self._seen: Dict[tuple, int] = {}  # key -> steps taken
         self._refitted: set = set()  # keys captured again because their repairs were too small
-        #: per key, what its eager steps repaired, merged (:func:`~pyro_tmc.log_einsum.merge_repair_counts`):
+        #: per key, what its eager steps repaired, merged
+        #: (:func:`~pyro_tmc.ops.log_einsum.merge_repair_counts`):
         #: a capture's repairs are sized by all of them, not by its own eager run alone
         self._repairs: Dict[tuple, List[RepairCount]] = {}
         self.max_inductor_nodes = MAX_INDUCTOR_NODES
         self.roll_above = ROLL_ABOVE
         #: whether a rolled step batches its random draws too: fewer operations, but not the
-        #: eager step's numbers from the same generator state (:func:`~pyro_tmc.loop_rolling.roll`);
+        #: eager step's numbers from the same generator state (:func:`~pyro_tmc.compile.loop_rolling.roll`);
         #: ``None``: only under inductor on CUDA (:func:`batches_draws`)
         self.batch_draws: Optional[bool] = None
         #: an uncompiled replay slower than the eager step gives way to it (:meth:`_settle`)
         self.choose_faster = True
         #: under inductor: compile in a child process, replaying the uncompiled graph until it is
-        #: done (:mod:`pyro_tmc.background_compile`): training starts after the capture, but which
+        #: done (:mod:`pyro_tmc.compile.background_compile`): training starts after the capture, but which
         #: step is the first compiled one depends on the machine's speed
         self.compile_in_background = False
         self.captures = 0  # how many steps were captured (tests read it)
@@ -860,7 +869,7 @@ class StepProgram:
 def builds_wrapper_apart(graph: torch.fx.GraphModule) -> bool:
     """
     Whether inductor builds a step's C++ wrapper apart from its kernels, at -O1
-    (:data:`~pyro_tmc.compiled.WRAPPER_APART_SETTINGS`): for a step rolled from a long loop
+    (:data:`~pyro_tmc.compile.compiled.WRAPPER_APART_SETTINGS`): for a step rolled from a long loop
     whose operations average at least :data:`WRAPPER_APART_MEAN_SIZE` elements, so that the
     wrapper's dearer calls are lost in the kernels' work. Mean output sizes: Fig. 4's
     1,000-link chain 122,530 (built apart, its replay is unchanged); its 100-link chain

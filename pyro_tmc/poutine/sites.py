@@ -40,10 +40,10 @@ from pyro.distributions.torch_distribution import ExpandedDistribution, MaskedDi
 from pyro.poutine import Trace
 from pyro.poutine.util import site_is_subsample
 
-from .shapes import particle_shape
+from pyro_tmc.ops.shapes import particle_shape
 
 if TYPE_CHECKING:
-    from .proposals import ParticleDraw
+    from pyro_tmc.poutine.proposals import ParticleDraw
 
 
 def is_sample(site) -> bool:
@@ -95,7 +95,7 @@ def is_delta(fn) -> bool:
 
 def particle_draw(site) -> Optional["ParticleDraw"]:
     """
-    How a sample site's particles were drawn (a :class:`~pyro_tmc.proposals.ParticleDraw`,
+    How a sample site's particles were drawn (a :class:`~pyro_tmc.poutine.proposals.ParticleDraw`,
     kept in ``site["infer"]["_tmc_draw"]`` by the ``tmc`` handler), or ``None``: a site
     summed exactly, a point mass, an observed site, or no sample site at all.
     """
@@ -179,7 +179,7 @@ def plate_symbols(site, trace: Trace) -> frozenset:
 def marginal_sources(sites: Sequence[dict]) -> Dict[str, torch.Tensor]:
     """
     Zero tensors, one per site over its particle dim and plates
-    (:func:`~pyro_tmc.shapes.particle_shape`), to be added to the sites' factors:
+    (:func:`~pyro_tmc.ops.shapes.particle_shape`), to be added to the sites' factors:
     their gradients give the sites' posterior marginals (:func:`source_weights`).
 
     :param sites: the sites (trace nodes) to read, each with a particle dim.
@@ -206,7 +206,7 @@ def source_weights(
     :param grads: the gradients of ``log P`` with respect to ``sources.values()``,
         in order; ``None`` where the source did not reach it (the weights are then 0).
     :param carried_scale: site name -> that scale
-        (:meth:`pyro_tmc.scales.ScalePlan.carried_scale` of the site).
+        (:meth:`pyro_tmc.estimate.scales.ScalePlan.carried_scale` of the site).
     """
     weights = {}
     for (name, source), grad in zip(sources.items(), grads):

@@ -42,8 +42,8 @@ from torch.distributions import (
 
 from pyro.distributions.torch_distribution import ExpandedDistribution, MaskedDistribution
 
-from . import log_density
-from .sites import particle_draw
+from pyro_tmc.ops import log_density
+from pyro_tmc.poutine.sites import particle_draw
 
 #: name -> proposal strategy class
 PROPOSALS: Dict[str, Type["ProposalStrategy"]] = {}
@@ -179,7 +179,7 @@ class ParticleDraw:
     #: samples): the -log K is counted once for the whole draw, not per site
     joint: bool = False
     #: the particle group it was drawn in (several sites on one particle dim:
-    #: :mod:`pyro_tmc.particle_groups`), or ``None``
+    #: :mod:`pyro_tmc.poutine.particle_groups`), or ``None``
     group: Optional[str] = None
     #: whether the site's term carries its ``-log K``: a group's is counted at one member only
     counts_log_k: bool = True
@@ -474,9 +474,9 @@ def proposal_log_k(q_site) -> float:
     The ``log K`` in the ``-log q - log K`` by which the proposal ``q_site`` of a latent
     enters the latent's factor: of a sampled site, the average over its particles; 0
     for an enumerated or Delta proposal, for joint samples, whose ``-log K`` is
-    counted once for the whole draw (:func:`pyro_tmc.factors.joint_samples_factor`),
+    counted once for the whole draw (:func:`pyro_tmc.estimate.factors.joint_samples_factor`),
     and for every member of a particle group but the first, since the members share
-    one average over their K particles (:mod:`pyro_tmc.particle_groups`).
+    one average over their K particles (:mod:`pyro_tmc.poutine.particle_groups`).
     """
     draw = particle_draw(q_site)
     counted = draw is not None and not draw.joint and draw.counts_log_k

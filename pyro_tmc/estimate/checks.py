@@ -16,9 +16,9 @@ import torch
 from pyro.poutine import Trace
 from pyro.util import check_site_shape
 
-from .log_einsum import checks_deferred
-from .shapes import log_prob_shape
-from .sites import has_particle_dim, is_sample, particle_draw, particle_symbol, plate_symbols
+from pyro_tmc.ops.log_einsum import checks_deferred
+from pyro_tmc.ops.shapes import log_prob_shape
+from pyro_tmc.poutine.sites import has_particle_dim, is_sample, particle_draw, particle_symbol, plate_symbols
 
 
 def log_prob_error(site, error: ValueError) -> ValueError:
@@ -48,7 +48,7 @@ def validate_samples(model_trace: Trace, guide_trace: Trace) -> None:
     """
     The checks that ``log_prob`` makes under validation (each value in its
     distribution's support and of a fitting shape), run eagerly: a graph of the
-    estimate (:mod:`pyro_tmc.compiled`) cannot branch on values, so its
+    estimate (:mod:`pyro_tmc.compile.compiled`) cannot branch on values, so its
     distributions skip them.
     """
     for trace in (model_trace, guide_trace):
@@ -137,7 +137,7 @@ def _check_site_plates(name: str, site, trace: Trace, owners: Dict[str, Tuple[st
 def _non_finite(term) -> tuple:
     """
     Whether a factor holds a NaN, holds +inf, and is -inf everywhere; a chunked
-    factor (:class:`~pyro_tmc.contraction.ChunkedFactor`) is read slice by slice
+    factor (:class:`~pyro_tmc.ops.contraction.ChunkedFactor`) is read slice by slice
     (whole, it may not fit in memory).
     """
     pieces = [term] if isinstance(term, torch.Tensor) else (term.compute(a, b) for a, b in term.ranges())
@@ -158,7 +158,7 @@ def check_finite(
     """
     If the estimate is not finite, find the site responsible.
 
-    :param factors: the draw's :class:`~pyro_tmc.factors.LogFactor` s.
+    :param factors: the draw's :class:`~pyro_tmc.estimate.factors.LogFactor` s.
     :raises ValueError: naming the first site whose factor holds a NaN or
         +inf, or is -inf everywhere.
     """

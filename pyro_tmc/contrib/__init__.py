@@ -1,0 +1,3 @@
+"""Integrations with other libraries: data-parallel training with PyTorch Lightning
+(:mod:`~pyro_tmc.contrib.lightning`, the ``[distributed]`` extra; also importable as
+``pyro_tmc.distributed``)."""
