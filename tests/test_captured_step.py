@@ -719,6 +719,12 @@ def test_redone_replays_are_not_timed_against_the_eager_step(monkeypatch):
     was never captured again (Fig. 4's 1,000-link chain: 543 ms a step, not 120 ms). Untimed,
     the key is captured again after four, and its replays are then timed and kept.
     """
+    from pyro_tmc.compile.captured_step import StepProgram
+
+    # a replay timed as free: whether it is kept must not hang on the machine's load (a replay
+    # timed slower than eager on a busy 2-core machine is dropped, which is right, but not this test)
+    settle = StepProgram._settle
+    monkeypatch.setattr(StepProgram, "_settle", lambda self, captured, seconds: settle(self, captured, 0.0))
     program, given_up = _undersized_steps(monkeypatch, lambda i: i <= 2, choose_faster=True, steps=14)
     (captured,) = program._steps.values()
     assert program.captures == 2 and not given_up
