@@ -48,7 +48,7 @@ import sys
 import tempfile
 import time
 import warnings
-from typing import Callable, Dict, List, Tuple
+from typing import Callable
 
 import torch
 from torch.distributions import Normal
@@ -136,7 +136,7 @@ def chain_guide(x, N):
         pyro.sample(f"z_{i}", dist.Normal(loc[i - 1], log_scale[i - 1].exp()))
 
 
-def chain_log_factors(x, loc, log_scale, K) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def chain_log_factors(x, loc, log_scale, K) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """K particles per step from the guide and the TMC log-factors of the chain.
 
     Returns ``f1`` (K,): log p(z_1) - log q(z_1) - log K; ``F`` (N-1, K, K) with
@@ -183,7 +183,7 @@ def log_matmul_exp(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return log_s + shift_a + shift_b
 
 
-def _float64_product(a: torch.Tensor, b: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def _float64_product(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     :func:`log_matmul_exp` in float64, in ``a``'s dtype, and where its entries are not exact:
     their shifted sums are below float64's floor for K terms (each lost term < 1e-304).
@@ -247,7 +247,7 @@ def static_exact_log_matmul_exp(a: torch.Tensor, b: torch.Tensor, capacity: int)
     return padded.index_put((flat,), exact)[: result.numel()].reshape(result.shape)
 
 
-def repair_counts(f1, F, g) -> List[int]:
+def repair_counts(f1, F, g) -> list[int]:
     """How many entries :func:`exact_log_matmul_exp` repairs at each level of the tree, on one draw."""
     counts = []
     while F.shape[0] > 1:
@@ -259,7 +259,7 @@ def repair_counts(f1, F, g) -> List[int]:
     return counts
 
 
-def fitted_capacities(draw: Callable[[], tuple], draws: int = 3) -> List[int]:
+def fitted_capacities(draw: Callable[[], tuple], draws: int = 3) -> list[int]:
     """
     Each tree level's repair capacity for :func:`static_exact_tree_contract`, sized as pyro_tmc
     sizes its own (1.5x the most entries ``draws`` draws needed, plus 64): the same work timed.
@@ -270,7 +270,7 @@ def fitted_capacities(draw: Callable[[], tuple], draws: int = 3) -> List[int]:
     return [math.ceil(1.5 * max(level)) + 64 for level in zip(*needs)]
 
 
-def static_exact_tree_contract(f1, F, g, capacities: List[int]) -> torch.Tensor:
+def static_exact_tree_contract(f1, F, g, capacities: list[int]) -> torch.Tensor:
     """:func:`exact_tree_contract` by :func:`static_exact_log_matmul_exp`, one capacity per level."""
     for capacity in capacities:
         n = F.shape[0]
@@ -298,13 +298,13 @@ def tree_contract(f1, F, g) -> torch.Tensor:
 class Case:
     def __init__(self, title: str):
         self.title = title
-        self.steps: Dict[str, Callable[[], torch.Tensor]] = {}
-        self.careful: List[str] = []  # the hand-written methods
-        self.compile_seconds: Dict[str, str] = {}
-        self.failed: Dict[str, str] = {}
-        self.notes: List[str] = []
+        self.steps: dict[str, Callable[[], torch.Tensor]] = {}
+        self.careful: list[str] = []  # the hand-written methods
+        self.compile_seconds: dict[str, str] = {}
+        self.failed: dict[str, str] = {}
+        self.notes: list[str] = []
         #: read after the timing: what each captured step did while it was timed
-        self.reports: List[Callable[[], str]] = []
+        self.reports: list[Callable[[], str]] = []
 
 
 #: pyro_tmc's own cached programs (TMC_ELBO(compile=...)), timed beside its eager path
@@ -623,10 +623,10 @@ def chain_case(num_steps: int, num_samples: int, device: str, graph_rows: bool =
 
 
 def median_seconds(
-    steps: Dict[str, Callable[[], torch.Tensor]], repeats: int, device: str, warmup: int = 2
-) -> Dict[str, float]:
+    steps: dict[str, Callable[[], torch.Tensor]], repeats: int, device: str, warmup: int = 2
+) -> dict[str, float]:
     """Interleaved timing: each round runs every method once, after ``warmup`` rounds."""
-    times: Dict[str, List[float]] = {name: [] for name in steps}
+    times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(warmup):
         for step in steps.values():
             step()
@@ -640,7 +640,7 @@ def median_seconds(
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def run_case(case: Case, repeats: int, device: str) -> List[str]:
+def run_case(case: Case, repeats: int, device: str) -> list[str]:
     seconds = median_seconds(case.steps, repeats, device)
     case.notes += [report() for report in case.reports]
     best = min((seconds[name] for name in case.careful if name in seconds), default=float("nan"))
@@ -734,7 +734,7 @@ def main(argv=None) -> None:
     ]
     print("\n".join(header + [""] + table), flush=True)
 
-    notes: List[str] = []
+    notes: list[str] = []
     compiled = not args.no_compile
     graph_rows = not args.lean
     cases = {

@@ -80,8 +80,9 @@ import math
 import os
 import sys
 import time
+from collections.abc import Sequence
 from contextlib import ExitStack
-from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -124,7 +125,7 @@ def gym_module(name: str):
         raise SystemExit(MISSING_GYM) from None
 
 
-def gold_moments(module: str, params: Sequence[str]) -> Dict[str, Tuple[np.ndarray, np.ndarray]]:
+def gold_moments(module: str, params: Sequence[str]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """
     The gold means and sds of the gym's ``identity`` transformation, per gym parameter.
 
@@ -213,10 +214,10 @@ class Problem(NamedTuple):
     model: Callable
     args: tuple
     max_plate_nesting: int
-    gold: Dict[str, Tuple[np.ndarray, np.ndarray]]
-    sites: Dict[str, List[str]]  # gym parameter -> the Pyro sites whose values, flattened, make it up
-    chain: Tuple[str, ...] = ()  # the model's sites in pyro.markov, in order (a guide visits them so too)
-    init: Dict[
+    gold: dict[str, tuple[np.ndarray, np.ndarray]]
+    sites: dict[str, list[str]]  # gym parameter -> the Pyro sites whose values, flattened, make it up
+    chain: tuple[str, ...] = ()  # the model's sites in pyro.markov, in order (a guide visits them so too)
+    init: dict[
         str, float
     ] = {}  # data-informed starting values (else 0 unconstrained, Pyro's init_to_feasible)
     fast_chain: bool = False  # tmc and nuts run gold_chain.py's forms of the model (stochastic volatility)
@@ -365,7 +366,7 @@ QUICK = {
 # -- methods: each returns {gym parameter: (means, sds)} as flat numpy arrays ---------------------
 
 
-def site_moments_to_gym(problem: Problem, moments: Dict[str, Tuple[torch.Tensor, torch.Tensor]]):
+def site_moments_to_gym(problem: Problem, moments: dict[str, tuple[torch.Tensor, torch.Tensor]]):
     """Concatenate the sites' flattened means and sds into each gym parameter's vector."""
     result = {}
     for param, names in problem.sites.items():
@@ -375,7 +376,7 @@ def site_moments_to_gym(problem: Problem, moments: Dict[str, Tuple[torch.Tensor,
     return result
 
 
-def samples_to_gym(problem: Problem, samples: Dict[str, torch.Tensor]):
+def samples_to_gym(problem: Problem, samples: dict[str, torch.Tensor]):
     """Means and sds of draws (leading dim: the draws) of every site, as gym parameter vectors."""
     moments = {}
     for names in problem.sites.values():
@@ -569,6 +570,7 @@ class HeavyTailedScalesGuide(MeanFieldGuide):
         start_scale = torch.full_like(start, self.init_scale)
         scale = pyro.param(f"mean_field.{name}.scale", start_scale, constraint=constraints.positive)
         pyro.sample(name, dist.TransformedDistribution(dist.StudentT(self.df, loc, scale), transform))
+        return None
 
 
 def run_tmc_unknown_scales(problem: Problem, settings: Settings, progress):
@@ -754,7 +756,7 @@ METHODS = {
 # -- metrics -----------------------------------------------------------------------------------
 
 
-def errors(problem: Problem, estimate) -> Dict[str, float]:
+def errors(problem: Problem, estimate) -> dict[str, float]:
     """Mean error in gold sds and sd ratio, over all dims of all gold parameters."""
     mean_errors, ratios = [], []
     for param, (gold_mean, gold_sd) in problem.gold.items():
@@ -793,7 +795,7 @@ def progress_bar(description: str):
 
 def run(
     model: str, method: str, quick: bool, seed: int = 0, progress=_silent, timeline: Optional[str] = None
-) -> Dict:
+) -> dict:
     """
     Train and read one (model, method); returns its metrics, time and settings.
 
@@ -817,7 +819,7 @@ def run(
     return row
 
 
-def failed_row(model: str, method: str, quick: bool, error: Exception) -> Dict:
+def failed_row(model: str, method: str, quick: bool, error: Exception) -> dict:
     nan = float("nan")
     message = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:120]}"
     row = dict.fromkeys(("mean_error", "mean_error_worst", "sd_error", "sd_error_worst"), nan)
@@ -852,7 +854,7 @@ COLUMNS = (
 )
 
 
-def table(rows: Sequence[Dict]) -> str:
+def table(rows: Sequence[dict]) -> str:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + " --- |" * len(COLUMNS)]
     for row in rows:
         cells = (
@@ -869,7 +871,7 @@ def table(rows: Sequence[Dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_table(rows: Sequence[Dict], path: str, command: str) -> None:
+def write_table(rows: Sequence[dict], path: str, command: str) -> None:
     header = (
         "# Posteriors against Inference Gym's gold (benchmarks/gold.py)\n\n"
         f"`{command}`; 1 torch thread. Mean error in gold sds; targets: mean error 0.02 avg / 0.1 worst, "
@@ -879,7 +881,7 @@ def write_table(rows: Sequence[Dict], path: str, command: str) -> None:
         handle.write(header + table(rows))
 
 
-def read_table(path: str) -> List[Dict]:
+def read_table(path: str) -> list[dict]:
     """The rows of a table that :func:`write_table` wrote (model, method, time, average mean error)."""
     rows = []
     with open(path) as handle:
@@ -893,7 +895,7 @@ def read_table(path: str) -> List[Dict]:
     return rows
 
 
-def plot(rows: Sequence[Dict], path: str) -> None:
+def plot(rows: Sequence[dict], path: str) -> None:
     """Mean error (average over dims) against wall time, one panel per model, one marker per method."""
     try:
         import matplotlib
@@ -932,7 +934,7 @@ def plot(rows: Sequence[Dict], path: str) -> None:
     plt.close(fig)
 
 
-def main(argv=None) -> List[Dict]:
+def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

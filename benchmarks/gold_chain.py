@@ -24,7 +24,8 @@ centered parameterisation); Aitchison (2019) "Tensor Monte Carlo" (the estimate)
 import json
 import math
 import time
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -66,7 +67,7 @@ def persistence_prior() -> PersistencePrior:
     return PersistencePrior(dist.Beta(20.0, 1.5), [dist.transforms.AffineTransform(-1.0, 2.0)])
 
 
-def global_priors() -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def global_priors() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample the three globals from the gym's priors (inside a model)."""
     persistence = pyro.sample("persistence_of_volatility", persistence_prior())
     mean = pyro.sample("mean_log_volatility", dist.Cauchy(0.0, 5.0))
@@ -122,7 +123,7 @@ class ChainGuide:
     :ivar float widen: a factor on the globals' trained scales (a wider read-out proposal).
     """
 
-    def __init__(self, init: Dict[str, float], num_days: int, init_scale: float = 0.1, chain_scale=0.5):
+    def __init__(self, init: dict[str, float], num_days: int, init_scale: float = 0.1, chain_scale=0.5):
         self.init, self.num_days = init, num_days
         self.init_scale, self.chain_scale = init_scale, chain_scale
         self.global_samples: Optional[int] = None
@@ -334,7 +335,7 @@ def pooled_proposal(moments: Sequence[DrawMoments], center: float) -> AdaptedCha
     )
 
 
-def chain_moments_to_sites(moments: Dict[str, Tuple[torch.Tensor, torch.Tensor]], num_days: int):
+def chain_moments_to_sites(moments: dict[str, tuple[torch.Tensor, torch.Tensor]], num_days: int):
     """The vectorized sites' moments under the per-day site names of :mod:`gold` (``log_volatility_t``)."""
     first = moments[f"{CHAIN}_0"]
     later = moments[f"{CHAIN}_{slice(1, num_days)}"]
@@ -362,7 +363,7 @@ def train_tmc(
 
 def pool(
     firsts: torch.Tensor, seconds: torch.Tensor, weights: torch.Tensor
-) -> Tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Means and sds from draws' (dim 0) first and second moments, pooled with ``weights`` (summing to 1)."""
     first = (weights[:, None] * firsts).sum(0)
     second = (weights[:, None] * seconds).sum(0)
@@ -422,9 +423,9 @@ class NutsTimeline:
         self.start, self.cpu_start = time.perf_counter(), time.process_time()
         self.warmup_seconds = math.nan
         self.count, self.first, self.second = 0, None, None
-        self.rows: List[Dict] = []
+        self.rows: list[dict] = []
 
-    def __call__(self, kernel, params: Dict[str, torch.Tensor], stage: str, i: int) -> None:
+    def __call__(self, kernel, params: dict[str, torch.Tensor], stage: str, i: int) -> None:
         if stage.startswith("Warmup"):
             self.warmup_seconds = time.perf_counter() - self.start
             return
@@ -439,7 +440,7 @@ class NutsTimeline:
         if self.count in self.checkpoints:
             self.log()
 
-    def estimate(self) -> Dict[str, Tuple[np.ndarray, np.ndarray]]:
+    def estimate(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         mean = self.first / self.count
         sd = (self.second / self.count - mean.square()).clamp(min=0.0).sqrt() * math.sqrt(
             self.count / max(self.count - 1, 1)

@@ -37,7 +37,7 @@ import argparse
 import os
 import sys
 import time
-from typing import Callable, Dict, NamedTuple, Tuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -86,8 +86,8 @@ def bus_model(run_type, bus_company, delay):
 
 class Dataset(NamedTuple):
     model: Callable
-    train: Tuple[torch.Tensor, ...]
-    test: Tuple[torch.Tensor, ...]
+    train: tuple[torch.Tensor, ...]
+    test: tuple[torch.Tensor, ...]
     max_plate_nesting: int
     test_plate: str
     iterations: int  # alan's
@@ -131,7 +131,7 @@ def train_qem(data: Dataset, iterations: int, num_samples: int, lr: float):
 TRAINERS = {"svi": train_svi, "qem": train_qem}
 
 
-def evaluate(data: Dataset, guide, num_samples: int, num_tmc_draws: int, num_draws: int) -> Dict[str, float]:
+def evaluate(data: Dataset, guide, num_samples: int, num_tmc_draws: int, num_draws: int) -> dict[str, float]:
     elbo = TMC_ELBO(num_samples=num_samples, max_plate_nesting=data.max_plate_nesting)
     bound = float(np.mean([float(elbo.log_evidence(data.model, guide, *data.train)) for _ in range(10)]))
     draws = posterior_draws(
@@ -146,7 +146,7 @@ def evaluate(data: Dataset, guide, num_samples: int, num_tmc_draws: int, num_dra
     }
 
 
-def run(name: str, method: str, args) -> Dict[str, float]:
+def run(name: str, method: str, args) -> dict[str, float]:
     data = load(name)
     iterations = args.iterations or (10 if args.quick else data.iterations)
     lr = args.qem_lr if method == "qem" else args.svi_lr

@@ -50,7 +50,7 @@ import json
 import os
 import sys
 import time
-from typing import Callable, Dict, List, NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -76,16 +76,16 @@ class Benchmark(NamedTuple):
     args: tuple
     max_plate_nesting: int
     read: Callable  # guide -> {metric: value}
-    higher_is_better: Dict[str, bool]  # metric -> whether higher is better
+    higher_is_better: dict[str, bool]  # metric -> whether higher is better
     svi_guide: Callable  # () -> a guide for TMC-VI
     svi_lr: float
-    qem_families: Dict[str, str]
+    qem_families: dict[str, str]
 
 
 def hierarchical_benchmark(name: str, args) -> Benchmark:
     data = hierarchical.load(name)
 
-    def read(guide) -> Dict[str, float]:
+    def read(guide) -> dict[str, float]:
         elbo = TMC_ELBO(num_samples=args.num_samples, max_plate_nesting=data.max_plate_nesting)
         draws = posterior_draws(
             elbo, data.model, guide, *data.train, num_tmc_draws=args.tmc_draws, num_draws=args.joint_draws
@@ -111,7 +111,7 @@ def eight_schools_benchmark(args) -> Benchmark:
 
     problem = gold.eight_schools_problem()
 
-    def read(guide) -> Dict[str, float]:
+    def read(guide) -> dict[str, float]:
         readout = TMC_ELBO(num_samples=SCHOOLS_READ_K, max_plate_nesting=problem.max_plate_nesting)
         pooled = posterior_moments(readout, problem.model, guide, *problem.args, num_draws=args.tmc_draws)
         moments = {name: (site.mean, site.stddev) for name, site in pooled.sites.items()}
@@ -130,7 +130,7 @@ def eight_schools_benchmark(args) -> Benchmark:
     )
 
 
-def trace_metrics(benchmark: Benchmark, method: str, args) -> Dict[str, List[float]]:
+def trace_metrics(benchmark: Benchmark, method: str, args) -> dict[str, list[float]]:
     """Each metric at the :func:`checkpoints` of one method's run."""
     pyro.clear_param_store()
     pyro.set_rng_seed(args.seed)
@@ -167,7 +167,7 @@ def qem_step_size(lr: float, start: Optional[float]):
     return lambda step: max(lr, start / (step + 1))
 
 
-def checkpoints(iterations: int, every: int) -> List[int]:
+def checkpoints(iterations: int, every: int) -> list[int]:
     """Read-out iterations: 1, 2, 3, 5, 8, ... (about 1.5x apart) up to ``every``, then every ``every``."""
     early, point = [], 1.0
     while round(point) < every:
@@ -177,7 +177,7 @@ def checkpoints(iterations: int, every: int) -> List[int]:
     return early + list(range(every, iterations + 1, every))
 
 
-def iterations_to_reach(values: List[float], target: float, higher_is_better: bool, read_at: List[int]):
+def iterations_to_reach(values: list[float], target: float, higher_is_better: bool, read_at: list[int]):
     """The first checkpoint from which the running mean of 3 read-outs reaches ``target``; None if none."""
     for start in range(len(values)):
         window = np.mean(values[start : start + 3])
@@ -186,7 +186,7 @@ def iterations_to_reach(values: List[float], target: float, higher_is_better: bo
     return None
 
 
-def main(argv=None) -> List[Dict]:
+def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -256,7 +256,7 @@ def main(argv=None) -> List[Dict]:
     return rows
 
 
-def compare(traces: Dict[str, List[float]], higher_is_better: bool, read_at: List[int]) -> Dict:
+def compare(traces: dict[str, list[float]], higher_is_better: bool, read_at: list[int]) -> dict:
     """TMC-VI's final value and noise (its last quarter), and the iterations each method needs to reach it."""
     tail = [value for at, value in zip(read_at, traces["svi"]) if at > 0.75 * read_at[-1]]
     final, noise = float(np.mean(tail)), float(np.std(tail))
@@ -270,7 +270,7 @@ def compare(traces: Dict[str, List[float]], higher_is_better: bool, read_at: Lis
 
 
 def print_traces(
-    name: str, traces: Dict[str, Dict[str, List[float]]], seconds: Dict[str, float], read_at: List[int]
+    name: str, traces: dict[str, dict[str, list[float]]], seconds: dict[str, float], read_at: list[int]
 ):
     print(f"    read at {read_at}")
     for method, trace in traces.items():

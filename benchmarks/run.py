@@ -17,7 +17,7 @@ import resource
 import statistics
 import sys
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -46,7 +46,7 @@ def _pyro_step(loss, model, guide, *args) -> Callable[[], None]:
     return step
 
 
-def toy_steps(num_samples: int, num_data: int, device: str) -> Dict[str, Callable[[], None]]:
+def toy_steps(num_samples: int, num_data: int, device: str) -> dict[str, Callable[[], None]]:
     x = torch.randn(num_data, device=device)
     loc = torch.zeros(2, device=device, requires_grad=True)
     log_scale = torch.tensor([0.0, 0.35], device=device, requires_grad=True)
@@ -72,7 +72,7 @@ def toy_steps(num_samples: int, num_data: int, device: str) -> Dict[str, Callabl
     }
 
 
-def chain_steps(num_samples: int, device: str) -> Dict[str, Callable[[], None]]:
+def chain_steps(num_samples: int, device: str) -> dict[str, Callable[[], None]]:
     x = torch.randn(16, device=device)
     steps = {}
     for strategy in ("mixture", "diagonal"):
@@ -96,7 +96,7 @@ def chain_steps(num_samples: int, device: str) -> Dict[str, Callable[[], None]]:
 
 def vae_steps(
     num_samples: int, device: str, recognition: str = "factorised", compiled: bool = True
-) -> Dict[str, Callable[[], None]]:
+) -> dict[str, Callable[[], None]]:
     """One step of the paper's 5-layer MNIST VAE on a batch of 100 (random binary pixels: timing only)."""
     from pyro_tmc.experiments import vae
 
@@ -144,9 +144,9 @@ def vae_steps(
 PYRO_IWAE = "Pyro RenyiELBO(alpha=0, vectorize_particles=True)"
 
 
-def median_seconds(steps: Dict[str, Callable[[], None]], repeats: int, device: str) -> Dict[str, float]:
+def median_seconds(steps: dict[str, Callable[[], None]], repeats: int, device: str) -> dict[str, float]:
     """Interleaved timing: each round runs every method once."""
-    times: Dict[str, List[float]] = {name: [] for name in steps}
+    times: dict[str, list[float]] = {name: [] for name in steps}
     for step in steps.values():
         step()  # warm-up: path caches, plate-nesting guesses
     for _ in range(repeats):
@@ -183,7 +183,7 @@ def peak_memory_mb(step: Callable[[], None], device: str) -> Optional[float]:
     return float(text) if text else None
 
 
-def run_case(title: str, steps, repeats: int, device: str, reference: str, memory: bool) -> List[str]:
+def run_case(title: str, steps, repeats: int, device: str, reference: str, memory: bool) -> list[str]:
     seconds = median_seconds(steps, repeats, device)
     floor = peak_memory_mb(lambda: None, device) if memory else 0.0  # the measurement's own noise
     lines = [

@@ -8,7 +8,7 @@ of the paper's experiments and writes its tables, figures and ``run.json`` to ``
 import argparse
 import importlib.util
 import sys
-from typing import List, Optional
+from typing import Optional
 
 import torch
 
@@ -98,7 +98,7 @@ def _demo_arguments(parser: argparse.ArgumentParser) -> None:
     report.add_threads_argument(parser)
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def main(argv: Optional[list[str]] = None) -> None:
     """:param argv: the arguments; with no experiment named, the demo runs."""
     parser = argparse.ArgumentParser(
         prog="python -m pyro_tmc", epilog=EPILOG, description="Tensor Monte Carlo (Aitchison 2019)."

@@ -7,8 +7,9 @@ symbol, on a Pyro version that lacks one. When Pyro changes, this file (and the
 test) is where it shows.
 """
 
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
-from typing import Callable, Collection, Dict, Iterator, List, Tuple
+from typing import Callable
 
 import torch
 
@@ -29,7 +30,7 @@ def make_handler(messenger_class: type, module: str) -> Callable:
     return _make_handler(messenger_class, module=module)
 
 
-def allocate_particle_dim(avoid: Collection[int], recyclable: bool) -> Tuple[int, int]:
+def allocate_particle_dim(avoid: Collection[int], recyclable: bool) -> tuple[int, int]:
     """
     A ``(dim, id)`` for a site's particles from Pyro's global enumeration-dim
     allocator, so that :func:`pyro.markov` recycles particle dims exactly as it
@@ -49,7 +50,7 @@ def allocate_particle_dim(avoid: Collection[int], recyclable: bool) -> Tuple[int
 
 
 @contextmanager
-def param_store_holding(unconstrained: Dict[str, torch.Tensor]) -> Iterator[None]:
+def param_store_holding(unconstrained: dict[str, torch.Tensor]) -> Iterator[None]:
     """
     A context in which the param store's named parameters are the given
     unconstrained tensors (``pyro.param(name)`` constrains them as usual), so
@@ -79,11 +80,10 @@ INFER_KEYS = ("_enumerate_dim", "_dim_to_id", "_dim_to_symbol", "_markov_scope",
 ELBO_METHODS = ("_guess_max_plate_nesting", "_vectorized_num_particles")
 
 
-def missing_private_names() -> List[str]:
+def missing_private_names() -> list[str]:
     """The private Pyro names above that the installed Pyro lacks (empty when all are there)."""
     missing = _missing_infer_keys()  # runs an enumerated model: the allocator is then set up
-    import pyro.poutine.handlers as handlers
-    import pyro.poutine.runtime as runtime
+    from pyro.poutine import handlers, runtime
 
     messenger = EnumMessenger()
     with messenger:  # its state exists while it is active
@@ -105,7 +105,7 @@ def missing_private_names() -> List[str]:
     return missing
 
 
-def _missing_infer_keys() -> List[str]:
+def _missing_infer_keys() -> list[str]:
     """Run a tiny enumerated markov model and check that Pyro still writes the infer keys."""
     import pyro.distributions as dist
     from pyro import poutine

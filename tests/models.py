@@ -345,10 +345,7 @@ def chain_tmc_reference(x, N, K, R, proposal="factorised", generator=None):
             anc = _ancestors(proposal, R, K, generator)
             z = zprev.gather(-1, anc) + math.sqrt(var) * torch.randn(R, K, dtype=dt, generator=generator)
             pair = _normal_logpdf(z[:, :, None], zprev[:, None, :], var)  # [r, k_i, k_{i-1}]
-            if proposal == "diagonal":
-                logq = pair.diagonal(dim1=-2, dim2=-1)
-            else:
-                logq = _logmeanexp(pair, -1)
+            logq = pair.diagonal(dim1=-2, dim2=-1) if proposal == "diagonal" else _logmeanexp(pair, -1)
         if i == 1:
             trans = _normal_logpdf(z, 0.0, var)
         else:

@@ -31,7 +31,7 @@ except ImportError:  # tests/ is not a package: pytest puts it on sys.path
 
 def _params():
     store = pyro.get_param_store()
-    return {name: store.get_param(name).unconstrained() for name in store.keys()}
+    return {name: store.get_param(name).unconstrained() for name in store}
 
 
 def _one_step(step, params):

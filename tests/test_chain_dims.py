@@ -29,14 +29,14 @@ def random_walk(y, markov=True):
 
 def markov_guide(y):
     """The hand-written mean-field guide, with pyro.markov."""
-    loc = pyro.param("loc", lambda: y.clone())
+    loc = pyro.param("loc", y.clone)
     for t in pyro.markov(range(len(y))):
         pyro.sample(f"x_{t}", dist.Normal(loc[t], SCALE))
 
 
 def plain_loop_guide(y):
     """The same guide, written as a plain loop."""
-    loc = pyro.param("loc", lambda: y.clone())
+    loc = pyro.param("loc", y.clone)
     for t in range(len(y)):
         pyro.sample(f"x_{t}", dist.Normal(loc[t], SCALE))
 

@@ -228,7 +228,7 @@ def test_real_mnist():
     data = datasets.load_mnist(MNIST_PATH)
     assert [len(split.images) for split in data.values()] == [50000, 10000, 10000]
     assert data["train"].images.shape[1] == 784
-    assert 0 <= data["test"].images.min() and data["test"].images.max() < 1
+    assert data["test"].images.min() >= 0 and data["test"].images.max() < 1
 
 
 def test_vae_data_parallel_two_processes(tmp_path):

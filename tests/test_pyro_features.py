@@ -300,10 +300,9 @@ PRIOR_LOC = torch.tensor(0.3)
 def collapsed_plate_model():
     """x_i ~ N(loc_i, 1), loc_i ~ N(mu, 1) collapsed: x_i ~ N(mu, sqrt 2)."""
     mu = pyro.param("mu", PRIOR_LOC)
-    with pyro.plate("data", len(X_COLLAPSE)):
-        with poutine.collapse():
-            loc = pyro.sample("loc", dist.Normal(mu, 1.0))
-            pyro.sample("x", dist.Normal(loc, 1.0), obs=X_COLLAPSE)
+    with pyro.plate("data", len(X_COLLAPSE)), poutine.collapse():
+        loc = pyro.sample("loc", dist.Normal(mu, 1.0))
+        pyro.sample("x", dist.Normal(loc, 1.0), obs=X_COLLAPSE)
 
 
 def test_collapse_in_a_plate_gives_the_conjugate_evidence():

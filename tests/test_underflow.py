@@ -298,7 +298,7 @@ def test_graph_repairs_underflowed_entries_alone_and_flags_too_many(monkeypatch)
         ).exp()
         underflowed = int((wide < log_einsum.underflow_floor(torch.float64, 16)).sum())
         capacity = log_einsum.repair_capacity(wide.numel())
-        assert 0 < underflowed and capacity < wide.numel() and (underflowed <= capacity) == repaired
+        assert underflowed > 0 and capacity < wide.numel() and (underflowed <= capacity) == repaired
         reference = x.double().requires_grad_()
         expected = torch.logsumexp(reference[..., :, :, None] + y.double()[..., None, :, :], -2)
         (expected_grad,) = torch.autograd.grad(expected.logsumexp((-2, -1)).sum(), [reference])
@@ -510,7 +510,7 @@ def test_stiff_chain_float32_equals_float64(seed, max_factor_bytes, default_dtyp
         elbo = TMC_ELBO(num_samples=8, max_plate_nesting=0, max_factor_bytes=max_factor_bytes)
         draw = elbo.draw(stiff_chain_model, stiff_chain_guide)
         estimates[dtype] = draw.log_estimate().item()
-        magnitude = max(magnitude, max(_factor_magnitude(f.term) for f in draw.factors()))
+        magnitude = max(magnitude, *(_factor_magnitude(f.term) for f in draw.factors()))
     assert estimates[torch.float64] == pytest.approx({1: -617.963, 2: -606.988}[seed], abs=1e-3)
     assert abs(estimates[torch.float32] - estimates[torch.float64]) <= 8 * EPS32 * magnitude
 

@@ -27,13 +27,13 @@ import importlib
 import json
 import os
 import warnings
-from typing import Dict, List, Optional
+from typing import Optional
 
 import torch
 
 import pyro
 import pyro.infer
-import pyro.poutine as poutine
+from pyro import poutine
 
 from pyro_tmc import TMC_ELBO
 
@@ -50,10 +50,10 @@ SHADOWED = {
     "TraceEnum_ELBO": "pyro.infer.traceenum_elbo",
     "TraceMeanField_ELBO": "pyro.infer.trace_mean_field_elbo",
 }
-_test: Dict[str, Optional[str]] = {"id": None}
+_test: dict[str, Optional[str]] = {"id": None}
 
 
-def _take_grads() -> Dict[str, Optional[torch.Tensor]]:
+def _take_grads() -> dict[str, Optional[torch.Tensor]]:
     """The param store's gradients, which are then cleared."""
     grads = {}
     for name, param in pyro.get_param_store().named_parameters():
@@ -62,7 +62,7 @@ def _take_grads() -> Dict[str, Optional[torch.Tensor]]:
     return grads
 
 
-def _differences(eager_loss, eager_grads, captured_loss, captured_grads) -> List[str]:
+def _differences(eager_loss, eager_grads, captured_loss, captured_grads) -> list[str]:
     found = []
     a, b = torch.tensor(float(eager_loss)), torch.tensor(float(captured_loss))
     if not (torch.isclose(a, b, rtol=RTOL, atol=ATOL) or (a.isnan() and b.isnan())):
@@ -101,7 +101,7 @@ class ShadowELBO(pyro.infer.ELBO):
         compile_options = {"options": {"fallback_random": True}} if MODE == "inductor" else None
         self.captured = TMC_ELBO(compile=MODE, compile_options=compile_options, **settings)
         self.calls = 0
-        self._capped: Dict[int, tuple] = {}  # id(model or guide) -> (it, it with num_samples capped)
+        self._capped: dict[int, tuple] = {}  # id(model or guide) -> (it, it with num_samples capped)
         super().__init__(max_plate_nesting=settings["max_plate_nesting"])
 
     def _get_trace(self, *args, **kwargs):

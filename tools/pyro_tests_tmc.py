@@ -23,7 +23,7 @@ import os
 
 import pyro
 import pyro.infer
-import pyro.poutine as poutine
+from pyro import poutine
 
 from pyro_tmc import TMC_ELBO
 

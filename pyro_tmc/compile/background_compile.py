@@ -30,15 +30,15 @@ import subprocess
 import sys
 import tempfile
 import warnings
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Optional
 
 import torch
 
 #: the children compiling now, with their files: ended with this process (an unfinished
 #: compile is of no use)
-_CHILDREN: Dict[subprocess.Popen, List[str]] = {}
+_CHILDREN: dict[subprocess.Popen, list[str]] = {}
 
-_Spec = Tuple[Tuple[int, ...], Tuple[int, ...], torch.dtype, str]
+_Spec = tuple[tuple[int, ...], tuple[int, ...], torch.dtype, str]
 
 
 @atexit.register
@@ -49,7 +49,7 @@ def _stop_children() -> None:
         _remove(files)
 
 
-def _remove(files: List[str]) -> None:
+def _remove(files: list[str]) -> None:
     for path in files:
         if os.path.exists(path):
             os.remove(path)
@@ -76,7 +76,7 @@ class BackgroundCompile:
         self._child: Optional[subprocess.Popen] = None
         self._blob: Optional[bytes] = None  # the pickled graph: compiled here as the child compiled it
         self._started = False
-        self._files: List[str] = []
+        self._files: list[str] = []
 
     def __call__(self, *inputs: torch.Tensor):
         # contiguous: the compiled code assumes its example inputs' strides (as compiled_step_graph)
@@ -97,7 +97,7 @@ class BackgroundCompile:
             self._child.wait()
 
     def _start(self, inputs) -> None:
-        specs: List[_Spec] = [(tuple(t.shape), t.stride(), t.dtype, str(t.device)) for t in inputs]
+        specs: list[_Spec] = [(tuple(t.shape), t.stride(), t.dtype, str(t.device)) for t in inputs]
         try:
             self._blob = pickle.dumps(self.graph)
             job = pickle.dumps((self._blob, specs, self.settings))

@@ -59,7 +59,8 @@ import dataclasses
 import gc
 import time
 import warnings
-from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Set, Tuple
+from collections.abc import Iterator
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
@@ -133,14 +134,14 @@ CHECK_EVERY = 100
 _ATOMS = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
 
-def flatten_arguments(args: tuple, kwargs: dict) -> Tuple[List[torch.Tensor], tuple, Callable]:
+def flatten_arguments(args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], tuple, Callable]:
     """
     The tensors among a step's arguments, a key for the rest, and a function that
     rebuilds ``(args, kwargs)`` around other tensors. Tuples, lists and dicts are
     walked; another object is keyed by its identity.
     """
-    tensors: List[torch.Tensor] = []
-    key: List[Any] = []
+    tensors: list[torch.Tensor] = []
+    key: list[Any] = []
 
     def walk(obj):
         if isinstance(obj, torch.Tensor):
@@ -161,7 +162,7 @@ def flatten_arguments(args: tuple, kwargs: dict) -> Tuple[List[torch.Tensor], tu
 
     template = (walk(tuple(args)), walk(dict(kwargs)))
 
-    def rebuild(inputs: List[torch.Tensor]) -> Tuple[tuple, dict]:
+    def rebuild(inputs: list[torch.Tensor]) -> tuple[tuple, dict]:
         return _fill(template[0], inputs), _fill(template[1], inputs)
 
     return tensors, tuple(key), rebuild
@@ -171,7 +172,7 @@ class _Slot(NamedTuple):
     index: int
 
 
-def _fill(obj, inputs: List[torch.Tensor]):
+def _fill(obj, inputs: list[torch.Tensor]):
     if isinstance(obj, _Slot):
         return inputs[obj.index]
     if type(obj) in (tuple, list):
@@ -190,8 +191,8 @@ class StructureRecorder(Messenger):
 
     def __init__(self) -> None:
         super().__init__()
-        self.record: List[tuple] = []
-        self.param_names: List[str] = []
+        self.record: list[tuple] = []
+        self.param_names: list[str] = []
 
     def _postprocess_message(self, msg) -> None:
         if msg["type"] == "param":
@@ -216,21 +217,21 @@ class StructureRecorder(Messenger):
 # -- the parameters a step reads ------------------------------------------------------------
 
 
-def unconstrained_parameters(names: List[str]) -> List[torch.Tensor]:
+def unconstrained_parameters(names: list[str]) -> list[torch.Tensor]:
     """The param store's unconstrained tensors of the named parameters."""
     store = pyro.get_param_store()
     return [store.get_param(name).unconstrained() for name in names]
 
 
-def live_modules() -> List[torch.nn.Module]:
+def live_modules() -> list[torch.nn.Module]:
     """Every live ``nn.Module``: a scan of live objects, once per capture."""
     # type(), not isinstance: a weak proxy among the objects would raise, a lazy module warn
     return [obj for obj in gc.get_objects() if issubclass(type(obj), torch.nn.Module)]
 
 
 def modules_holding(
-    tensors: List[torch.Tensor], modules: List[torch.nn.Module]
-) -> List[Tuple[torch.nn.Module, str, int]]:
+    tensors: list[torch.Tensor], modules: list[torch.nn.Module]
+) -> list[tuple[torch.nn.Module, str, int]]:
     """
     ``(module, attribute, index)`` for every attribute of ``modules`` that holds one of
     ``tensors`` (by identity): where a module registered by ``pyro.module`` reads its
@@ -246,8 +247,8 @@ def modules_holding(
 
 
 def buffers_beside(
-    holders: List[Tuple[torch.nn.Module, str, int]], modules: List[torch.nn.Module]
-) -> List[Tuple[torch.nn.Module, str]]:
+    holders: list[tuple[torch.nn.Module, str, int]], modules: list[torch.nn.Module]
+) -> list[tuple[torch.nn.Module, str]]:
     """
     ``(module, name)`` of each buffer of the modules around the step's parameters: of
     every one of ``modules`` that holds one of them, or contains one that does, and of
@@ -258,7 +259,7 @@ def buffers_beside(
     holding = {id(module) for module, _, _ in holders}
     if not holding:
         return []
-    found: Dict[Tuple[int, str], Tuple[torch.nn.Module, str]] = {}
+    found: dict[tuple[int, str], tuple[torch.nn.Module, str]] = {}
     for outer in modules:
         if any(id(m) in holding for m in outer.modules()):
             for module in outer.modules():
@@ -268,7 +269,7 @@ def buffers_beside(
     return list(found.values())
 
 
-def current_buffers(sources: List[Tuple[torch.nn.Module, str]]) -> List[torch.Tensor]:
+def current_buffers(sources: list[tuple[torch.nn.Module, str]]) -> list[torch.Tensor]:
     """The buffers named by :func:`buffers_beside`, as their modules hold them now."""
     return [module._buffers[name] for module, name in sources]
 
@@ -279,7 +280,7 @@ class _ModulesHolding:
     :func:`buffers_beside`, are the given tensors; the originals come back on exit.
     """
 
-    def __init__(self, holders, tensors: List[torch.Tensor], buffers=(), buffer_tensors=()) -> None:
+    def __init__(self, holders, tensors: list[torch.Tensor], buffers=(), buffer_tensors=()) -> None:
         self.holders, self.tensors = holders, tensors
         self.buffers, self.buffer_tensors = list(buffers), list(buffer_tensors)
 
@@ -308,23 +309,23 @@ class CapturedStep:
     program: Optional[Callable]  # None: this key runs eagerly
     #: the step's forward, unrolled: it draws as the eager step does (replayed at a check to compare values)
     graph: Optional[Callable]
-    param_names: List[str]
-    param_specs: List[tuple]
-    structure: List[tuple]
+    param_names: list[str]
+    param_specs: list[tuple]
+    structure: list[tuple]
     #: an uncompiled replay is timed against the eager step, alternately (:meth:`StepProgram._settle`);
     #: ``None`` once settled or compiled
-    eager_seconds: Optional[List[float]] = None
-    replay_seconds: List[float] = dataclasses.field(default_factory=list)
+    eager_seconds: Optional[list[float]] = None
+    replay_seconds: list[float] = dataclasses.field(default_factory=list)
     #: replays, and those redone eagerly because a product underflowed
     attempts: int = 0
     redone: int = 0
     #: the (rolled) graph that inductor compiled: replayed instead if compiling fails
     uncompiled: Optional[Callable] = None
     #: the modules' buffers the graph takes after the arguments (:func:`buffers_beside`), and their specs
-    buffers: List[Tuple[torch.nn.Module, str]] = dataclasses.field(default_factory=list)
-    buffer_specs: List[tuple] = dataclasses.field(default_factory=list)
+    buffers: list[tuple[torch.nn.Module, str]] = dataclasses.field(default_factory=list)
+    buffer_specs: list[tuple] = dataclasses.field(default_factory=list)
 
-    def inputs_after_params(self, arguments: List[torch.Tensor]) -> Optional[List[torch.Tensor]]:
+    def inputs_after_params(self, arguments: list[torch.Tensor]) -> Optional[list[torch.Tensor]]:
         """The tensor arguments, then the buffers as they are now; ``None`` if a buffer's spec changed."""
         buffers = current_buffers(self.buffers)
         if [_spec(b) for b in buffers] != self.buffer_specs:
@@ -338,8 +339,8 @@ def _spec(tensor: torch.Tensor) -> tuple:
 
 def capture_step(
     differentiable_loss: Callable,
-    param_names: List[str],
-    arguments: List[torch.Tensor],
+    param_names: list[str],
+    arguments: list[torch.Tensor],
     rebuild: Callable,
     repair_counts: Optional[list] = None,
     roll_above: Optional[int] = None,
@@ -374,27 +375,28 @@ def capture_step(
     holders = modules_holding(params, modules)
     buffers = buffers_beside(holders, modules)
     num_params, num_arguments = len(params), len(arguments)
-    recorded: List[list] = []
-    own_backward: List[bool] = []  # whether the step's backward must be traced as autograd runs it
-    marks: List[GradModeMarks] = []
+    recorded: list[list] = []
+    own_backward: list[bool] = []  # whether the step's backward must be traced as autograd runs it
+    marks: list[GradModeMarks] = []
 
-    def run_loss(*inputs: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def run_loss(*inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         leaves = list(inputs[:num_params])  # the parameters: the gradient is taken with respect to them
         args, kwargs = rebuild(list(inputs[num_params : num_params + num_arguments]))
         held = _ModulesHolding(holders, leaves, buffers, inputs[num_params + num_arguments :])
         recorder = StructureRecorder()
-        with param_store_holding(dict(zip(param_names, leaves))), held:
-            with (
-                pyro.validation_enabled(False),
-                deferred_underflow_checks(repair_in_graph=True, repair_counts=repair_counts) as flags,
-                recorder,
-            ):
-                loss = differentiable_loss(*args, **kwargs)
-                underflow = any_flag(flags, loss)
+        with (
+            param_store_holding(dict(zip(param_names, leaves))),
+            held,
+            pyro.validation_enabled(False),
+            deferred_underflow_checks(repair_in_graph=True, repair_counts=repair_counts) as flags,
+            recorder,
+        ):
+            loss = differentiable_loss(*args, **kwargs)
+            underflow = any_flag(flags, loss)
         recorded.append(recorder.record)
         return loss, underflow
 
-    def forward(*inputs: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def forward(*inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         marks.append(GradModeMarks())
         with marks[-1], HookWatch() as hooks:
             loss, underflow = run_loss(*inputs)
@@ -430,13 +432,13 @@ class Capture(NamedTuple):
     #: the same inputs ``-> (loss, underflow, ...)``, unrolled: it draws as the eager step does
     unrolled: torch.fx.GraphModule
     #: the structure of the step's sample and param statements (:class:`StructureRecorder`)
-    structure: List[tuple]
+    structure: list[tuple]
     #: the modules' buffers that the graphs take after the arguments (:func:`buffers_beside`)
-    buffers: List[Tuple[torch.nn.Module, str]] = []
+    buffers: list[tuple[torch.nn.Module, str]] = []
 
 
 def _check_buffers_read_only(
-    forward: torch.fx.GraphModule, buffers: List[Tuple[torch.nn.Module, str]], first: int
+    forward: torch.fx.GraphModule, buffers: list[tuple[torch.nn.Module, str]], first: int
 ) -> None:
     """
     Refuse a step that writes into a module's buffer (``BatchNorm``'s running statistics
@@ -477,7 +479,7 @@ def _base(value):
 
 def _backward_of(
     forward: torch.fx.GraphModule,
-    inputs: List[torch.Tensor],
+    inputs: list[torch.Tensor],
     num_params: int,
     roll_above: Optional[int],
     batch_draws: bool,
@@ -504,7 +506,7 @@ def _backward_of(
 
 
 def _rolled(
-    graph: torch.fx.GraphModule, inputs: List[torch.Tensor], roll_above: Optional[int], batch_draws: bool
+    graph: torch.fx.GraphModule, inputs: list[torch.Tensor], roll_above: Optional[int], batch_draws: bool
 ) -> torch.fx.GraphModule:
     """
     A whole step's graph, backward included, rolled (:func:`pyro_tmc.compile.loop_rolling.roll`)
@@ -592,13 +594,13 @@ class StepProgram:
         self.check_every = check_every
         #: CUDA graphs (torch.compile's "reduce-overhead" and "max-autotune" modes) reuse output buffers
         self._outputs_reused = mode == "inductor" and uses_cuda_graphs(self.options)
-        self._steps: Dict[tuple, CapturedStep] = {}
-        self._seen: Dict[tuple, int] = {}  # key -> steps taken
+        self._steps: dict[tuple, CapturedStep] = {}
+        self._seen: dict[tuple, int] = {}  # key -> steps taken
         self._refitted: set = set()  # keys captured again because their repairs were too small
         #: per key, what its eager steps repaired, merged
         #: (:func:`~pyro_tmc.ops.log_einsum.merge_repair_counts`):
         #: a capture's repairs are sized by all of them, not by its own eager run alone
-        self._repairs: Dict[tuple, List[RepairCount]] = {}
+        self._repairs: dict[tuple, list[RepairCount]] = {}
         self.max_inductor_nodes = MAX_INDUCTOR_NODES
         self.roll_above = ROLL_ABOVE
         #: whether a rolled step batches its random draws too: fewer operations, but not the
@@ -886,7 +888,7 @@ def builds_wrapper_apart(graph: torch.fx.GraphModule) -> bool:
     return bool(sizes) and sum(sizes) >= WRAPPER_APART_MEAN_SIZE * len(sizes)
 
 
-def batches_draws(setting: Optional[bool], mode: str, devices: Set[str]) -> bool:
+def batches_draws(setting: Optional[bool], mode: str, devices: set[str]) -> bool:
     """
     Whether a rolled step batches its like random draws (``StepProgram.batch_draws``).
     By default (``None``) only a step that inductor compiles on CUDA does: CUDA draws a
@@ -937,7 +939,7 @@ def _identity(function: Callable) -> tuple:
     return id(getattr(function, "__func__", function)), id(getattr(function, "__self__", None))
 
 
-def _rng_state(tensors: List[torch.Tensor]) -> tuple:
+def _rng_state(tensors: list[torch.Tensor]) -> tuple:
     devices = {t.device for t in tensors if t.device.type == "cuda"}
     return torch.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in devices}
 

@@ -38,7 +38,8 @@ import contextvars
 import dataclasses
 import itertools
 import warnings
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from collections.abc import Iterator
+from typing import Any, Callable, Optional
 
 import torch
 from torch.distributions import Distribution
@@ -101,11 +102,11 @@ class _Flattener:
     """
 
     def __init__(self) -> None:
-        self.tensors: List[torch.Tensor] = []
-        self._index: Dict[int, int] = {}
-        self.key: List[Any] = []
+        self.tensors: list[torch.Tensor] = []
+        self._index: dict[int, int] = {}
+        self.key: list[Any] = []
         #: ``(site name, object)`` for each object kept as it is (a failed trace names them)
-        self.kept: List[Tuple[Optional[str], Any]] = []
+        self.kept: list[tuple[Optional[str], Any]] = []
         self._site: Optional[str] = None
 
     def leaf(self, tensor: torch.Tensor) -> _Leaf:
@@ -198,7 +199,7 @@ def _tensor_attributes(tensor: torch.Tensor) -> dict:
     return {k: v for k, v in getattr(tensor, "__dict__", {}).items() if not k.startswith("_dynamo")}
 
 
-def _fill(obj, inputs: List[torch.Tensor]):
+def _fill(obj, inputs: list[torch.Tensor]):
     """The flattened object with each :class:`_Leaf` replaced by its input tensor."""
     if isinstance(obj, _Leaf):
         return inputs[obj.index]
@@ -227,16 +228,16 @@ def _fill(obj, inputs: List[torch.Tensor]):
 class FlatDraw:
     """A draw's tensors and a template to rebuild its traces around other tensors."""
 
-    tensors: List[torch.Tensor]
-    template: Tuple[dict, dict, Any]
+    tensors: list[torch.Tensor]
+    template: tuple[dict, dict, Any]
     #: the sources (site name -> zero tensor) with their tensors as leaves
     source_template: dict
     key: tuple
-    tensor_attributes: List[dict]
+    tensor_attributes: list[dict]
     #: ``(site name, object)`` for each object the flattening kept as it is (:class:`_Flattener`)
-    kept: List[Tuple[Optional[str], Any]] = dataclasses.field(default_factory=list)
+    kept: list[tuple[Optional[str], Any]] = dataclasses.field(default_factory=list)
 
-    def traces(self, inputs: List[torch.Tensor]) -> Tuple[Trace, Trace, ScalePlan]:
+    def traces(self, inputs: list[torch.Tensor]) -> tuple[Trace, Trace, ScalePlan]:
         """The draw's (model, guide) traces (their sample sites) and scale plan, around ``inputs``."""
         model_nodes, guide_nodes, scales = _fill(self.template, inputs)
         return _trace_of(model_nodes), _trace_of(guide_nodes), scales
@@ -253,7 +254,7 @@ def _sample_sites(flattener: _Flattener, trace) -> dict:
     return {name: flattener.walk_site(site) for name, site in trace.nodes.items() if site["type"] == "sample"}
 
 
-def flatten_draw(draw, sources: Optional[Dict[str, torch.Tensor]], detach_guide_proposals: bool) -> FlatDraw:
+def flatten_draw(draw, sources: Optional[dict[str, torch.Tensor]], detach_guide_proposals: bool) -> FlatDraw:
     """Flatten a draw's traces (their sample sites and scale plan) into tensors and a key."""
     flattener = _Flattener()
     template = (
@@ -347,7 +348,7 @@ def _holds_tensors(obj) -> bool:
     return any(isinstance(value, torch.Tensor) for value in getattr(obj, "__dict__", {}).values())
 
 
-def check_no_custom_backward(function: Callable, tensors: List[torch.Tensor]) -> None:
+def check_no_custom_backward(function: Callable, tensors: list[torch.Tensor]) -> None:
     """
     Run the estimate once eagerly on detached copies of its inputs and look for a
     custom ``torch.autograd.Function`` in its backward graph (a user's
@@ -405,7 +406,7 @@ class EstimateProgram:
             raise ValueError("compile_options are torch.compile's: they need compile='inductor'")
         self.mode = mode
         self.options = dict(options or {})
-        self._programs: Dict[tuple, Optional[Callable]] = {}
+        self._programs: dict[tuple, Optional[Callable]] = {}
         self.traces = 0  # how many graphs were traced (a test reads it)
         self._warned_plans = False
 
@@ -417,7 +418,7 @@ class EstimateProgram:
         return state
 
     def log_estimate(
-        self, draw, sources: Optional[Dict[str, torch.Tensor]], detach_guide_proposals: bool
+        self, draw, sources: Optional[dict[str, torch.Tensor]], detach_guide_proposals: bool
     ) -> Optional[torch.Tensor]:
         """``log P_TMC`` of the draw by its plan's program, or ``None`` where the eager path must run."""
         if _ESTIMATING_EAGERLY.get():
@@ -643,7 +644,7 @@ def _broadcast(tensor: torch.Tensor) -> bool:
 
 
 def compile_captured_graph(
-    graph: torch.fx.GraphModule, examples: List[torch.Tensor], settings: dict
+    graph: torch.fx.GraphModule, examples: list[torch.Tensor], settings: dict
 ) -> Callable:
     """
     ``torch._inductor.compile`` of a captured step's graph, in a :func:`_cacheable_compile`
@@ -660,7 +661,7 @@ def compile_captured_graph(
     return _inductor_compile(graph, examples, settings)
 
 
-def _inductor_compile(graph: torch.fx.GraphModule, examples: List[torch.Tensor], settings: dict) -> Callable:
+def _inductor_compile(graph: torch.fx.GraphModule, examples: list[torch.Tensor], settings: dict) -> Callable:
     from torch._inductor import compile as inductor_compile  # imported only when used
 
     with _cacheable_compile():

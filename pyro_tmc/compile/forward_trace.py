@@ -23,7 +23,8 @@ A graph of aten operations forgets two things about the eager step:
 """
 
 import contextlib
-from typing import Any, Callable, List, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Callable, Optional
 
 import torch
 from torch.fx import GraphModule, Interpreter, Node
@@ -152,6 +153,6 @@ def derive_backward(forward: Callable, inputs: Sequence[torch.Tensor], num_param
     return make_fx(step, tracing_mode="fake")(*as_leaves(inputs, num_params))
 
 
-def as_leaves(inputs: Sequence[torch.Tensor], num_params: int) -> List[torch.Tensor]:
+def as_leaves(inputs: Sequence[torch.Tensor], num_params: int) -> list[torch.Tensor]:
     """The inputs, with the first ``num_params`` as fresh leaves that require grad (the parameters)."""
     return [t.detach().requires_grad_() if i < num_params else t for i, t in enumerate(inputs)]

@@ -34,7 +34,8 @@ graphs: jacobians, auto-batching and beyond" (Agarwal and Ganichev, 2019), here 
 
 import operator
 from collections import defaultdict
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any, Callable, Optional
 
 import torch
 from torch.fx import Graph, GraphModule, Node
@@ -158,7 +159,7 @@ def _few_and_large(count: int, value: Any) -> bool:
     return sum(t.numel() for t in outputs if isinstance(t, torch.Tensor)) > LARGE_MEMBER
 
 
-def _few_scatters(members: List[Node]) -> bool:
+def _few_scatters(members: list[Node]) -> bool:
     """
     Whether a group of ``select_backward`` / ``slice_backward`` is better run one by one:
     batched, it is an index tensor, a zero buffer, an ``index_put`` and moves of dims, more
@@ -223,10 +224,10 @@ def _stacked_value(value: Any, count: int) -> Any:
     return value.new_empty((count,) + tuple(value.shape))
 
 
-def _chain_leaves(end: Node) -> Tuple[List[Node], List[Node]]:
+def _chain_leaves(end: Node) -> tuple[list[Node], list[Node]]:
     """The summands of the chain of additions ending at ``end``, in order, and its inner additions."""
-    leaves: List[Node] = []
-    inner: List[Node] = []
+    leaves: list[Node] = []
+    inner: list[Node] = []
     pending = [end]
     while pending:
         node = pending.pop()
@@ -239,7 +240,7 @@ def _chain_leaves(end: Node) -> Tuple[List[Node], List[Node]]:
     return leaves, inner
 
 
-def levels(graph: Graph, after: Optional[Dict[Node, List[Node]]] = None) -> Dict[Node, int]:
+def levels(graph: Graph, after: Optional[dict[Node, list[Node]]] = None) -> dict[Node, int]:
     """
     Each node's level: 0 for inputs and constants, else one more than its inputs'
     highest (and than the nodes it must come ``after``: :func:`mutation_order`). A
@@ -247,7 +248,7 @@ def levels(graph: Graph, after: Optional[Dict[Node, List[Node]]] = None) -> Dict
     that emitting level by level keeps the draws in order.
     """
     after = after or {}
-    level: Dict[Node, int] = {}
+    level: dict[Node, int] = {}
     last_random = 0
     for node in graph.nodes:
         inputs = node.all_input_nodes + after.get(node, [])
@@ -313,7 +314,7 @@ def replace_fresh_fills(graph: Graph) -> None:
         graph.erase_node(node)
 
 
-def mutation_order(graph: Graph) -> Tuple[Dict[Node, List[Node]], set]:
+def mutation_order(graph: Graph) -> tuple[dict[Node, list[Node]], set]:
     """
     For the mutations left in a graph (an in-place write into a slice of a
     buffer): the tensors that alias a mutated one (its buffer, the views of it,
@@ -323,7 +324,7 @@ def mutation_order(graph: Graph) -> Tuple[Dict[Node, List[Node]], set]:
 
     :returns: ``{node: nodes it must come after}`` and the pinned nodes.
     """
-    parent: Dict[Node, Node] = {}
+    parent: dict[Node, Node] = {}
 
     def find(node: Node) -> Node:
         while parent.get(node, node) is not node:
@@ -335,9 +336,9 @@ def mutation_order(graph: Graph) -> Tuple[Dict[Node, List[Node]], set]:
             parent[find(node)] = find(node.args[0])
     mutated = {find(node) for node in graph.nodes if _mutates(node)}
     pinned = {node for node in graph.nodes if node.op == "call_function" and find(node) in mutated}
-    after: Dict[Node, List[Node]] = defaultdict(list)
-    last_write: Dict[Node, Node] = {}
-    reads_since: Dict[Node, List[Node]] = defaultdict(list)
+    after: dict[Node, list[Node]] = defaultdict(list)
+    last_write: dict[Node, Node] = {}
+    reads_since: dict[Node, list[Node]] = defaultdict(list)
     for node in graph.nodes:
         touched = {find(i) for i in node.all_input_nodes if i in pinned}
         if node in pinned:
@@ -359,7 +360,7 @@ def mutation_order(graph: Graph) -> Tuple[Dict[Node, List[Node]], set]:
 class Group:
     """Operations of one level, one target, and the same arguments but for their tensors (or varying ints)."""
 
-    def __init__(self, members: List[Node]) -> None:
+    def __init__(self, members: list[Node]) -> None:
         self.members = members
         self.first = members[0]
 
@@ -414,7 +415,7 @@ def _varying_ints(node: Node) -> tuple:
     return tuple(node.args[p] if p < len(node.args) else None for p in _VARYING_INTS.get(node.target, ()))
 
 
-def plan_groups(graph: Graph, batch_draws: bool = False) -> List[List[Group]]:
+def plan_groups(graph: Graph, batch_draws: bool = False) -> list[list[Group]]:
     """
     The graph's operations as groups, level by level; each level in the order of the original graph.
 
@@ -425,8 +426,8 @@ def plan_groups(graph: Graph, batch_draws: bool = False) -> List[List[Group]]:
     """
     after, pinned = mutation_order(graph)
     level = levels(graph, after)
-    by_key: Dict[tuple, List[Node]] = defaultdict(list)
-    singles: List[Node] = []
+    by_key: dict[tuple, list[Node]] = defaultdict(list)
+    singles: list[Node] = []
     run, last_draw = 0, None  # draws batched exactly: only a run of like draws, none other between
     for node in graph.nodes:
         if node.op != "call_function":
@@ -447,7 +448,7 @@ def plan_groups(graph: Graph, batch_draws: bool = False) -> List[List[Group]]:
     singles += [node for part, alone in zip(split, one_by_one) if alone for node in part]
     split = [part for part, alone in zip(split, one_by_one) if not alone]
     groups = [Group(members) for members in split] + [Group([node]) for node in singles]
-    schedule: Dict[int, List[Group]] = defaultdict(list)
+    schedule: dict[int, list[Group]] = defaultdict(list)
     for group in groups:
         schedule[level[group.first]].append(group)
     return [sorted(schedule[d], key=lambda g: order[g.first]) for d in sorted(schedule)]
@@ -457,7 +458,7 @@ def plan_groups(graph: Graph, batch_draws: bool = False) -> List[List[Group]]:
 MAX_SPLIT_INPUTS = 8
 
 
-def _split_by_input(members: List[Node]) -> List[List[Node]]:
+def _split_by_input(members: list[Node]) -> list[list[Node]]:
     """
     An indexing group (``select``, ``slice``) whose members read from a few graph
     inputs, as one group per input: a guide's ``loc[i]`` and ``scale[i]`` are one
@@ -488,7 +489,7 @@ class _Batched:
     def __init__(self, value: Any, size: int) -> None:
         self.value = value
         self.size = size
-        self._unbound: Optional[List[Any]] = None
+        self._unbound: Optional[list[Any]] = None
 
     def member(self, index: int) -> Any:
         if self._unbound is None:
@@ -516,15 +517,15 @@ class RolledStep:
     :param schedule: :func:`plan_groups` of its graph.
     """
 
-    def __init__(self, module: GraphModule, schedule: List[List[Group]]) -> None:
+    def __init__(self, module: GraphModule, schedule: list[list[Group]]) -> None:
         self.module = module
         self.schedule = schedule
         #: the nodes that alias a tensor some operation writes into: a view among them stays a view
         self.pinned = mutation_order(module.graph)[1]
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
-        self.values: Dict[Node, Any] = {}
-        self.place: Dict[Node, Tuple[_Batched, int]] = {}
+        self.values: dict[Node, Any] = {}
+        self.place: dict[Node, tuple[_Batched, int]] = {}
         placeholders = [n for n in self.module.graph.nodes if n.op == "placeholder"]
         for node, value in zip(placeholders, inputs):
             self.values[node] = value
@@ -620,15 +621,15 @@ class RolledStep:
 
     def _blocks_and_loose(
         self, sources: Sequence[Node]
-    ) -> Optional[Tuple[Dict[int, Tuple[Any, int]], List[Node]]]:
+    ) -> Optional[tuple[dict[int, tuple[Any, int]], list[Node]]]:
         """
         The batched outputs that hold the sources (``id -> (stacked value, 0)``), and the
         sources no group holds; ``None`` where most are of the latter (a plain stack).
         """
         if not sources or not all(isinstance(s, Node) for s in sources):
             return None
-        blocks: Dict[int, Tuple[Any, int]] = {}
-        loose: List[Node] = []
+        blocks: dict[int, tuple[Any, int]] = {}
+        loose: list[Node] = []
         for source in sources:
             if source not in self.place:
                 loose.append(source)
@@ -641,14 +642,14 @@ class RolledStep:
             return None
         return blocks, loose
 
-    def _stacked_alike(self, sources: List[Node]) -> Optional[torch.Tensor]:
+    def _stacked_alike(self, sources: list[Node]) -> Optional[torch.Tensor]:
         """``stack`` of the sources' values; ``None`` where their shapes differ (a ``cat``'s)."""
         values = [self._get(source) for source in sources]
         if len({(tuple(v.shape), v.dtype) for v in values}) > 1:
             return None
         return torch.stack(values)
 
-    def _held_values(self, sources: Sequence[Any]) -> Optional[List[torch.Tensor]]:
+    def _held_values(self, sources: Sequence[Any]) -> Optional[list[torch.Tensor]]:
         """The sources' tensors where each is a node holding one of its own (not a group member's row)."""
         if not sources or not all(isinstance(s, Node) and s in self.values for s in sources):
             return None
@@ -673,7 +674,7 @@ class RolledStep:
         whole = self._stacked_from_group(sources)
         return None if whole is None else _join(node, whole)
 
-    def _gather(self, sources: List[Node]) -> Tuple[Any, Optional[int]]:
+    def _gather(self, sources: list[Node]) -> tuple[Any, Optional[int]]:
         """One input position of a group for all members: ``(value, 0)`` stacked, ``(value, None)`` shared."""
         if all(s is sources[0] for s in sources):
             return self._get(sources[0]), None
@@ -733,7 +734,7 @@ def _argument(node: Node, position: int, name: str, default: Any) -> Any:
     return node.kwargs.get(name, default)
 
 
-def _stack_few(values: List[torch.Tensor]) -> Optional[torch.Tensor]:
+def _stack_few(values: list[torch.Tensor]) -> Optional[torch.Tensor]:
     """
     ``torch.stack(values)`` where they are copies of a few distinct tensors: those
     stacked once, and indexed (``None`` where most are distinct). Each member of a
@@ -772,7 +773,7 @@ def _view(tensor: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
         return tensor.reshape(shape)
 
 
-def _take(stacked: torch.Tensor, indices: List[int]) -> torch.Tensor:
+def _take(stacked: torch.Tensor, indices: list[int]) -> torch.Tensor:
     """``stacked[indices]``: the tensor itself, a strided slice, or an ``index_select``."""
     size = stacked.size(0)
     if indices == list(range(size)):
@@ -876,7 +877,7 @@ def _log_sigmoid_backward_rule(node: Node, gathered, ints, size) -> torch.Tensor
     return aten.log_sigmoid_backward(grad_output, value, buffer)
 
 
-_BATCH_RULES: Dict[Any, Callable] = {
+_BATCH_RULES: dict[Any, Callable] = {
     aten.copy.default: _copy_rule,
     aten.log_sigmoid_backward.default: _log_sigmoid_backward_rule,
     aten.select.int: _select_rule,
@@ -895,7 +896,7 @@ def count_operations(module: GraphModule) -> int:
 
 def merge_equal_constants(module: GraphModule) -> None:
     """One ``get_attr`` node per distinct constant tensor (a loop makes the same constant at every step)."""
-    seen: Dict[tuple, Node] = {}
+    seen: dict[tuple, Node] = {}
     for node in list(module.graph.nodes):
         if node.op != "get_attr":
             continue

@@ -66,7 +66,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -112,7 +112,7 @@ def check_parameters_registered(loss_module: torch.nn.Module) -> None:
     """
     registered = {id(p) for p in loss_module.parameters()}
     store = pyro.get_param_store()
-    missing = [name for name in store.keys() if id(store[name].unconstrained()) not in registered]
+    missing = [name for name in store if id(store[name].unconstrained()) not in registered]
     if missing:
         raise ValueError(
             f"Pyro parameters {missing} are in Pyro's global param store but are not parameters "
@@ -150,8 +150,8 @@ class TMCLightningModule(pl.LightningModule):
         guide: torch.nn.Module,
         loss: ELBO,
         optimizer=torch.optim.Adam,
-        optimizer_kwargs: Optional[Dict[str, Any]] = None,
-        step_kwargs: Optional[Dict[str, Any]] = None,
+        optimizer_kwargs: Optional[dict[str, Any]] = None,
+        step_kwargs: Optional[dict[str, Any]] = None,
         loss_normaliser: float = 1.0,
         seed: Optional[int] = None,
     ) -> None:
@@ -298,12 +298,12 @@ class DataParallelFit:
 
     module: TMCLightningModule  #: the trained module (in this process, with rank 0's parameters)
     trainer: "pl.Trainer"
-    history: List[Dict[str, float]] = field(default_factory=list)  #: per-step rows of the CSV log
+    history: list[dict[str, float]] = field(default_factory=list)  #: per-step rows of the CSV log
     samples_per_second: float = math.nan  #: median over steps after the first ``warmup_steps``
     wall_seconds: float = math.nan  #: the whole ``fit`` call, process start-up included
 
 
-def _read_history(log_dir: str) -> List[Dict[str, float]]:
+def _read_history(log_dir: str) -> list[dict[str, float]]:
     path = os.path.join(log_dir, "metrics.csv")
     if not os.path.exists(path):
         return []
@@ -311,7 +311,7 @@ def _read_history(log_dir: str) -> List[Dict[str, float]]:
     with open(path) as f:
         for row in csv.DictReader(f):
             rows.append({key: float(value) for key, value in row.items() if value not in ("", None)})
-    merged: Dict[int, Dict[str, float]] = {}
+    merged: dict[int, dict[str, float]] = {}
     for row in rows:
         merged.setdefault(int(row.get("step", -1)), {}).update(row)
     return [merged[step] for step in sorted(merged)]
@@ -330,8 +330,8 @@ def fit_data_parallel(
     accelerator: str = "cpu",
     strategy=None,
     optimizer=torch.optim.Adam,
-    optimizer_kwargs: Optional[Dict[str, Any]] = None,
-    step_kwargs: Optional[Dict[str, Any]] = None,
+    optimizer_kwargs: Optional[dict[str, Any]] = None,
+    step_kwargs: Optional[dict[str, Any]] = None,
     loss_normaliser: float = 1.0,
     seed: int = 0,
     warmup_steps: int = 2,

@@ -18,7 +18,8 @@ by site as before.
 """
 
 from collections import defaultdict
-from typing import Dict, Hashable, List, NamedTuple, Optional, Sequence, Tuple
+from collections.abc import Hashable, Sequence
+from typing import NamedTuple, Optional
 
 import torch
 from torch.distributions import Distribution, Independent
@@ -36,7 +37,7 @@ MIN_GROUP = 4
 _KNOWN_MODULES = ("torch.distributions", "pyro.distributions")
 
 
-def _parameters(base: Distribution) -> Optional[Dict[str, Tuple[torch.Tensor, int]]]:
+def _parameters(base: Distribution) -> Optional[dict[str, tuple[torch.Tensor, int]]]:
     """
     The constructor's tensor arguments of a distribution over scalars
     (:func:`~pyro_tmc.poutine.proposals.constructor_parameters`), each with its own event
@@ -69,7 +70,7 @@ def _event_dim(constraint) -> Optional[int]:
         return None
 
 
-def _unwrap(fn: Distribution) -> Tuple[Tuple[Tuple[type, int], ...], Distribution]:
+def _unwrap(fn: Distribution) -> tuple[tuple[tuple[type, int], ...], Distribution]:
     """The Independent wrappers (outermost first) and the base distribution."""
     wrappers = []
     while isinstance(fn, Independent):
@@ -81,13 +82,13 @@ def _unwrap(fn: Distribution) -> Tuple[Tuple[Tuple[type, int], ...], Distributio
 class _Member(NamedTuple):
     """One site's distribution taken apart: wrappers, base type, parameters, and its value."""
 
-    wrappers: Tuple[Tuple[type, int], ...]
+    wrappers: tuple[tuple[type, int], ...]
     base: Distribution
-    params: Dict[str, Tuple[torch.Tensor, int]]  # name -> (tensor, its event dims)
+    params: dict[str, tuple[torch.Tensor, int]]  # name -> (tensor, its event dims)
     value: torch.Tensor
 
 
-def _member(fn: Distribution, value: torch.Tensor) -> Optional[Tuple[Hashable, _Member]]:
+def _member(fn: Distribution, value: torch.Tensor) -> Optional[tuple[Hashable, _Member]]:
     """The group key (what sites must share to be stacked: types, names, shapes) and the parts."""
     if not isinstance(value, torch.Tensor):
         return None
@@ -111,7 +112,7 @@ def _stack_padded(tensors: Sequence[torch.Tensor], batch_rank: int, event_dim: i
     return stacked if pad == 0 else stacked.reshape(stacked.shape[:1] + (1,) * pad + stacked.shape[1:])
 
 
-def _group_log_prob(members: List[_Member]) -> torch.Tensor:
+def _group_log_prob(members: list[_Member]) -> torch.Tensor:
     """The members' log densities, stacked along a new leading dim, in one call."""
     first = members[0]
     batch_rank = max([first.value.dim()] + [p.dim() - e for p, e in first.params.values()])
@@ -152,8 +153,8 @@ def _rebuilds_exactly(member: _Member) -> bool:
 
 
 def stacked_log_probs(
-    pairs: Sequence[Tuple[Distribution, torch.Tensor]],
-) -> List[Optional[Tuple[torch.Tensor, int]]]:
+    pairs: Sequence[tuple[Distribution, torch.Tensor]],
+) -> list[Optional[tuple[torch.Tensor, int]]]:
     """
     ``fn.log_prob(value)`` for each pair that belongs to a group of at least
     :data:`MIN_GROUP` stackable pairs, computed in one call per group and given
@@ -163,12 +164,12 @@ def stacked_log_probs(
     """
     if len(pairs) < MIN_GROUP:
         return [None] * len(pairs)
-    groups: Dict[Hashable, List[Tuple[int, _Member]]] = defaultdict(list)
+    groups: dict[Hashable, list[tuple[int, _Member]]] = defaultdict(list)
     for i, (fn, value) in enumerate(pairs):
         keyed = _member(fn, value)
         if keyed is not None:
             groups[keyed[0]].append((i, keyed[1]))
-    results: List[Optional[Tuple[torch.Tensor, int]]] = [None] * len(pairs)
+    results: list[Optional[tuple[torch.Tensor, int]]] = [None] * len(pairs)
     for group in groups.values():
         if len(group) < MIN_GROUP or not _rebuilds_exactly(group[0][1]):
             continue
@@ -190,14 +191,14 @@ class SiteDensities:
     which lets the contraction take a whole chain's links in one operation.
     """
 
-    def __init__(self, log_p: Dict[int, tuple], log_q: Dict[int, tuple]) -> None:
+    def __init__(self, log_p: dict[int, tuple], log_q: dict[int, tuple]) -> None:
         self.log_p = log_p
         self.log_q = log_q
-        self._members: Dict[int, tuple] = {}  # id(stack) -> (its members, stack)
+        self._members: dict[int, tuple] = {}  # id(stack) -> (its members, stack)
         # id(stack) -> (stack less its size-1 dims, its members, kept dims, stack)
-        self._squeezed: Dict[int, tuple] = {}
-        self._terms: Dict[tuple, tuple] = {}  # (id(log q stack), detach, log K) -> (-log q - log K, stack)
-        self._slices: Dict[int, tuple] = {}  # id(packed factor) -> (it, its stack, its index)
+        self._squeezed: dict[int, tuple] = {}
+        self._terms: dict[tuple, tuple] = {}  # (id(log q stack), detach, log K) -> (-log q - log K, stack)
+        self._slices: dict[int, tuple] = {}  # id(packed factor) -> (it, its stack, its index)
 
     def member(self, stack: torch.Tensor, index: int) -> torch.Tensor:
         """
@@ -210,7 +211,7 @@ class SiteDensities:
         return self._members[id(stack)][0][index]
 
     def packed(
-        self, stack: torch.Tensor, index: int, dim_to_symbol: Dict[int, str]
+        self, stack: torch.Tensor, index: int, dim_to_symbol: dict[int, str]
     ) -> Optional[torch.Tensor]:
         """
         ``pack(stack[index], dim_to_symbol)``, as a slice of the stack with its size-1
@@ -232,7 +233,7 @@ class SiteDensities:
         self._slices[id(packed)] = (packed, squeezed, index)
         return packed
 
-    def slice_of(self, term: torch.Tensor) -> Optional[Tuple[torch.Tensor, int]]:
+    def slice_of(self, term: torch.Tensor) -> Optional[tuple[torch.Tensor, int]]:
         """``(stack, index)`` where ``term`` is a packed factor that :meth:`packed` gave, else ``None``."""
         entry = self._slices.get(id(term))
         return None if entry is None or entry[0] is not term else entry[1:]
@@ -246,12 +247,12 @@ class SiteDensities:
             self._terms[key] = (-base - log_k if log_k else -base, stack)
         return self._terms[key][0], index
 
-    def log_p_factor(self, site, dim_to_symbol: Dict[int, str]) -> Optional[torch.Tensor]:
+    def log_p_factor(self, site, dim_to_symbol: dict[int, str]) -> Optional[torch.Tensor]:
         """The site's packed ``log p`` as a slice of its group's stack, or ``None`` if it has none."""
         where = self.log_p.get(id(site))
         return None if where is None else self.packed(*where, dim_to_symbol)
 
-    def proposal_factor(self, q_site, detach: bool, dim_to_symbol: Dict[int, str]):
+    def proposal_factor(self, q_site, detach: bool, dim_to_symbol: dict[int, str]):
         """
         The packed ``-log q - log K`` of proposal ``q_site`` as a slice of one stacked
         tensor for its group (:func:`~pyro_tmc.poutine.proposals.proposal_log_k`), or ``None``.

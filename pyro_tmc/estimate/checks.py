@@ -8,8 +8,9 @@
 """
 
 import math
+from collections.abc import Sequence
 from types import SimpleNamespace
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Optional
 
 import torch
 
@@ -98,7 +99,7 @@ def check_plate_dependencies(model_trace: Trace, guide_trace: Trace) -> None:
                 _check_site_plates(name, site, trace, owners)
 
 
-def _plated_particle_owners(traces: Sequence[Trace]) -> Dict[str, Tuple[str, frozenset]]:
+def _plated_particle_owners(traces: Sequence[Trace]) -> dict[str, tuple[str, frozenset]]:
     """Particle symbol -> (the latent it belongs to, that latent's plate symbols), for plated latents."""
     owners = {}
     for trace in traces:
@@ -114,7 +115,7 @@ def _plated_particle_owners(traces: Sequence[Trace]) -> Dict[str, Tuple[str, fro
     return owners
 
 
-def _check_site_plates(name: str, site, trace: Trace, owners: Dict[str, Tuple[str, frozenset]]) -> None:
+def _check_site_plates(name: str, site, trace: Trace, owners: dict[str, tuple[str, frozenset]]) -> None:
     """Raise where ``site`` varies along the particles of a latent in a plate the site is not in."""
     plates = batch = None
     for dim, symbol in site["infer"].get("_dim_to_symbol", {}).items():

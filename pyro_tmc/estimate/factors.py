@@ -19,7 +19,8 @@ and :mod:`pyro_tmc.estimate.checks` holds the checks.
 """
 
 import math
-from typing import Dict, Iterable, List, NamedTuple, Optional, Tuple, Union
+from collections.abc import Iterable
+from typing import NamedTuple, Optional, Union
 
 import torch
 
@@ -66,7 +67,7 @@ class LogFactor(NamedTuple):
 
     site: str
     term: Union[torch.Tensor, ChunkedFactor]
-    stacked: Optional[Tuple[torch.Tensor, int]] = None
+    stacked: Optional[tuple[torch.Tensor, int]] = None
 
 
 # -- log p and -log q of one site --------------------------------------------------
@@ -175,7 +176,7 @@ def site_log_factors(
     detach_guide_proposal: bool = False,
     max_factor_elements: Optional[int] = None,
     densities: Optional[SiteDensities] = None,
-) -> List[torch.Tensor]:
+) -> list[torch.Tensor]:
     """
     The packed log factors of model site ``name`` (see the module docstring):
     ``log p`` and, for a sampled latent, ``-log q - log K`` as a second tensor.
@@ -232,7 +233,7 @@ def guide_site_log_factors(
     source: Optional[torch.Tensor] = None,
     detach_guide_proposal: bool = False,
     densities: Optional[SiteDensities] = None,
-) -> List[torch.Tensor]:
+) -> list[torch.Tensor]:
     """
     The packed log factor of a guide site the model lacks: ``-log q - log K``
     for an auxiliary latent, ``-log q`` for an auxiliary Delta, and minus the
@@ -255,9 +256,9 @@ def compute_log_factors(
     model_trace: Trace,
     guide_trace: Trace,
     plan: EvaluationPlan,
-    sources: Optional[Dict[str, torch.Tensor]] = None,
+    sources: Optional[dict[str, torch.Tensor]] = None,
     detach_guide_proposals: bool = False,
-) -> List[LogFactor]:
+) -> list[LogFactor]:
     """
     Packed log factors of every model sample site and of every guide site the
     model lacks (:func:`guide_only_sites`).
@@ -343,14 +344,14 @@ def _whole(term: Union[torch.Tensor, ChunkedFactor]) -> torch.Tensor:
     return term.materialise() if isinstance(term, ChunkedFactor) else term
 
 
-def _largest_factor_error(error: RuntimeError, factors: List[LogFactor], plates: Iterable[str]):
+def _largest_factor_error(error: RuntimeError, factors: list[LogFactor], plates: Iterable[str]):
     """
     :func:`~pyro_tmc.ops.memory.contraction_memory_error` naming the largest of ``factors``, and
     each particle dim by the first site whose factor holds it (its own: parents come first).
     """
     sizes = [f.term.numel if isinstance(f.term, ChunkedFactor) else f.term.numel() for f in factors]
     largest = max(range(len(factors)), key=sizes.__getitem__)
-    owners: Dict[str, str] = {}
+    owners: dict[str, str] = {}
     for f in factors:
         for d in factor_dims(f.term):
             owners.setdefault(d, f.site)
@@ -358,7 +359,7 @@ def _largest_factor_error(error: RuntimeError, factors: List[LogFactor], plates:
     return contraction_memory_error(error, factors[largest].site, sizes[largest] * itemsize(), owners)
 
 
-def contract_estimate(factors: List[LogFactor], scales: ScalePlan) -> torch.Tensor:
+def contract_estimate(factors: list[LogFactor], scales: ScalePlan) -> torch.Tensor:
     """log P_TMC: the factors contracted with the draw's plate scales, times its root scale."""
     if not factors:
         return contract_log_factors([], scales.plate_scales)

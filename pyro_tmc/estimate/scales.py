@@ -27,7 +27,7 @@ import dataclasses
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Dict, FrozenSet, List, Tuple, Union
+from typing import Union
 
 import torch
 
@@ -49,11 +49,11 @@ class ScalePlan:
     """
 
     root: float = 1.0
-    plate_scales: Dict[str, float] = field(default_factory=dict)
-    residual: Dict[str, float] = field(default_factory=dict)
+    plate_scales: dict[str, float] = field(default_factory=dict)
+    residual: dict[str, float] = field(default_factory=dict)
     #: time dims of ``vectorized_markov`` chains, contracted as chains, not products
     #: (symbol -> :class:`pyro_tmc.estimate.vectorized_markov.MarkovTime`)
-    markov_times: Dict[str, object] = field(default_factory=dict)
+    markov_times: dict[str, object] = field(default_factory=dict)
 
     def site_scale(self, name: str):
         """The tempering left on site ``name``'s factor (a float, or a tensor per element)."""
@@ -90,7 +90,7 @@ def subsample_scale(site) -> float:
     return scale
 
 
-def _subsample_scales(traces) -> Dict[str, float]:
+def _subsample_scales(traces) -> dict[str, float]:
     scales = {}
     for trace in traces:
         for site in trace.nodes.values():
@@ -103,7 +103,7 @@ def _subsample_scales(traces) -> Dict[str, float]:
     return scales
 
 
-def _scaled_sites(model_trace: Trace, guide_trace: Trace) -> List[Tuple[str, Tuple[str, ...], float]]:
+def _scaled_sites(model_trace: Trace, guide_trace: Trace) -> list[tuple[str, tuple[str, ...], float]]:
     """(name, plate symbols outermost first, scale beyond subsampling) of every site with a factor."""
     sites = []
     for trace, own in ((model_trace, lambda n: True), (guide_trace, lambda n: n not in model_trace.nodes)):
@@ -118,7 +118,7 @@ def _scaled_sites(model_trace: Trace, guide_trace: Trace) -> List[Tuple[str, Tup
     return sites
 
 
-def _common(values: List[float]):
+def _common(values: list[float]):
     """The common value of ``values`` (to rounding), or ``None``."""
     first = values[0]
     return first if all(math.isclose(v, first, rel_tol=1e-6) for v in values) else None
@@ -148,10 +148,10 @@ def plan_scales(model_trace: Trace, guide_trace: Trace) -> ScalePlan:
     return plan
 
 
-ScaledSite = Tuple[str, Tuple[str, ...], float]
+ScaledSite = tuple[str, tuple[str, ...], float]
 
 
-def _plate_factors(plan: ScalePlan, sites: List[ScaledSite]) -> Dict[str, float]:
+def _plate_factors(plan: ScalePlan, sites: list[ScaledSite]) -> dict[str, float]:
     """
     Each plate's share of the sites' scales, read from the outermost plates in:
     the common scale of the sites in exactly the plates P, beyond what the root
@@ -159,10 +159,10 @@ def _plate_factors(plan: ScalePlan, sites: List[ScaledSite]) -> Dict[str, float]
     Sets ``plan.root`` from the sites outside every plate, and ``plan.residual``
     for the sites whose scale is not carried whole.
     """
-    groups: Dict[FrozenSet[str], List[ScaledSite]] = defaultdict(list)
+    groups: dict[frozenset[str], list[ScaledSite]] = defaultdict(list)
     for item in sites:
         groups[frozenset(item[1])].append(item)
-    factor: Dict[str, float] = {}
+    factor: dict[str, float] = {}
     for plates in sorted(groups, key=len):
         group = groups[plates]
         ordered = group[0][1]
@@ -179,7 +179,7 @@ def _plate_factors(plan: ScalePlan, sites: List[ScaledSite]) -> Dict[str, float]
     return factor
 
 
-def _record_residuals(plan: ScalePlan, factor: Dict[str, float], group: List[ScaledSite]) -> None:
+def _record_residuals(plan: ScalePlan, factor: dict[str, float], group: list[ScaledSite]) -> None:
     """The scale left on each site's own factor, beyond what the root and its plates carry."""
     for name, site_plates, s in group:
         carried = plan.root * math.prod(factor.get(p, 1.0) for p in site_plates)
@@ -189,7 +189,7 @@ def _record_residuals(plan: ScalePlan, factor: Dict[str, float], group: List[Sca
 
 
 def keep_scaled_unit_plates(
-    term: Union[torch.Tensor, ChunkedFactor], site, plate_scales: Dict[str, float]
+    term: Union[torch.Tensor, ChunkedFactor], site, plate_scales: dict[str, float]
 ) -> Union[torch.Tensor, ChunkedFactor]:
     """
     The packed ``term`` with a size-1 dim restored for each of the site's plates
@@ -217,7 +217,7 @@ def keep_scaled_unit_plates(
     return _with_unit_dims(term, missing)
 
 
-def _with_unit_dims(term: torch.Tensor, symbols: List[str]) -> torch.Tensor:
+def _with_unit_dims(term: torch.Tensor, symbols: list[str]) -> torch.Tensor:
     """A packed ``term`` with leading size-1 dims named ``symbols``."""
     widened = term.reshape((1,) * len(symbols) + term.shape)
     widened._pyro_dims = "".join(symbols) + term._pyro_dims

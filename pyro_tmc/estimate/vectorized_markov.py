@@ -54,7 +54,7 @@ import math
 import re
 import sys
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Set, Tuple
+from typing import Callable, Optional
 
 import torch
 
@@ -98,13 +98,13 @@ class MarkovTime:
     """
 
     symbol: str
-    from_symbols: Tuple[str, ...]
-    current_symbols: Tuple[str, ...]
-    first_symbols: Tuple[str, ...]
-    sites: Tuple[str, ...]
+    from_symbols: tuple[str, ...]
+    current_symbols: tuple[str, ...]
+    first_symbols: tuple[str, ...]
+    sites: tuple[str, ...]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _no_named_inputs():
     """One funsor without inputs, the same object at every site (a compiled draw's key holds it)."""
     import funsor
@@ -133,7 +133,7 @@ def without_funsor_scoring(fn: Callable) -> Callable:
     return NoFunsorScoring()(fn)
 
 
-def find_time_links(trace: Trace) -> List[TimeLink]:
+def find_time_links(trace: Trace) -> list[TimeLink]:
     """
     The chained latents of a trace's ``vectorized_markov`` loops, by their site names.
 
@@ -197,7 +197,7 @@ def step_particle_dim(site) -> Optional[int]:
     return dims[0] if dims else None
 
 
-def _step_dims(site, dim: Optional[int]) -> Dict[int, int]:
+def _step_dims(site, dim: Optional[int]) -> dict[int, int]:
     """``dim -> id`` of the particle dims a latent's value varies along, without ``dim``."""
     value = site["value"]
     batch = value.shape[: value.dim() - site["fn"].event_dim]
@@ -208,7 +208,7 @@ def _step_dims(site, dim: Optional[int]) -> Dict[int, int]:
     }
 
 
-def previous_steps_value(first, current, time_dim: int) -> Tuple[torch.Tensor, Dict[int, int]]:
+def previous_steps_value(first, current, time_dim: int) -> tuple[torch.Tensor, dict[int, int]]:
     """
     The value the previous-steps site takes: at step ``t`` (``t = 1 .. T-1``), the
     particles of step ``t - 1``, on the first site's particle dim: the first site's
@@ -248,7 +248,7 @@ def _with_count(value: torch.Tensor, dim: int, count: int) -> torch.Tensor:
     counts is refused by the contraction (:func:`reduce_markov_times`).
     """
     size = value.size(dim)
-    if size == count or size == 1:
+    if size in (count, 1):
         return value
     return value.index_select(dim, torch.arange(count, device=value.device) % size)
 
@@ -291,7 +291,7 @@ def _check_factorised_in_time(current, previous) -> None:
         )
 
 
-def unscored_sites(model_trace: Trace, guide_trace: Trace) -> Set[str]:
+def unscored_sites(model_trace: Trace, guide_trace: Trace) -> set[str]:
     """
     The sites that get no factor: the model's previous-steps sites (and their
     observations), marked ``_do_not_score`` by ``vectorized_markov``, and a guide's
@@ -309,7 +309,7 @@ def unscored_sites(model_trace: Trace, guide_trace: Trace) -> Set[str]:
     return skipped | auxiliary
 
 
-def markov_times(model_trace: Trace) -> Dict[str, MarkovTime]:
+def markov_times(model_trace: Trace) -> dict[str, MarkovTime]:
     """
     The time dims of a symbolised model trace that are contracted as chains, by packed symbol.
 
@@ -321,7 +321,7 @@ def markov_times(model_trace: Trace) -> Dict[str, MarkovTime]:
     :raises ValueError: naming the site, where a chained latent has no particle dim
         of its own, or is sampled by the model itself.
     """
-    times: Dict[str, MarkovTime] = {}
+    times: dict[str, MarkovTime] = {}
     for link in find_time_links(model_trace):
         symbol = model_trace.plate_to_symbol[link.time]
         nodes = model_trace.nodes
@@ -358,8 +358,8 @@ def _own_symbol(site) -> str:
 
 
 def reduce_markov_times(
-    factors: List[torch.Tensor], times: Dict[str, MarkovTime], plate_scales: Dict[str, float]
-) -> List[torch.Tensor]:
+    factors: list[torch.Tensor], times: dict[str, MarkovTime], plate_scales: dict[str, float]
+) -> list[torch.Tensor]:
     """
     Contract each markov time dim as a chain (see the module docstring): the
     factors that hold it are replaced by one factor over the first step's

@@ -13,7 +13,7 @@ the ancestors picked by the ``proposal`` strategy of :class:`~pyro_tmc.TMC_ELBO`
 import argparse
 import functools
 import math
-from typing import Dict, List, Sequence
+from collections.abc import Sequence
 
 import torch
 from tqdm import tqdm
@@ -46,7 +46,7 @@ def exact_log_evidence(x: torch.Tensor) -> float:
     return dist.Normal(0.0, math.sqrt(2.0)).log_prob(x.double().cpu()).item()
 
 
-def estimators(num_samples: int) -> Dict[str, tuple]:
+def estimators(num_samples: int) -> dict[str, tuple]:
     """Method name -> (loss, guide). IWAE with the prior (K whole chains) is the reference."""
     return {
         "factorised (TMC)": (TMC_ELBO(num_samples=num_samples, max_plate_nesting=0), factorised_guide),
@@ -65,7 +65,7 @@ def _log_evidence(elbo, guide, x: torch.Tensor, length: int) -> float:
     return elbo.log_evidence(model, guide, x, length).item()
 
 
-def sweep(x: torch.Tensor, length: int, ks: Sequence[int], repeats: int) -> List[Dict]:
+def sweep(x: torch.Tensor, length: int, ks: Sequence[int], repeats: int) -> list[dict]:
     rows = []
     for k in tqdm(ks, desc="chain: sweep over K"):
         for method, (elbo, guide) in estimators(k).items():
@@ -85,7 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--x", type=float, default=1.0, help="the observation")
 
 
-def run(args: argparse.Namespace) -> List[Dict]:
+def run(args: argparse.Namespace) -> list[dict]:
     """Paper Fig. 4: log p(x) estimates vs K for the factorised and the non-factorised (prior) proposals."""
     files = ["chain.csv", "chain_setup.json", "chain.png"]
     out = report.prepare_output(args, files)

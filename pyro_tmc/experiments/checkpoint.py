@@ -20,7 +20,8 @@ temporary file, then :func:`os.replace`): a run killed while saving leaves the p
 """
 
 import os
-from typing import Any, Dict, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any, Optional
 
 import torch
 
@@ -29,7 +30,7 @@ import pyro.util
 from pyro.optim import PyroOptim
 
 
-def rng_states(generators: Mapping[str, torch.Generator]) -> Dict[str, Any]:
+def rng_states(generators: Mapping[str, torch.Generator]) -> dict[str, Any]:
     """The global generators' states (CUDA's when available) and those of ``generators``, by name."""
     states = pyro.util.get_rng_state()
     if torch.cuda.is_available():
@@ -38,7 +39,7 @@ def rng_states(generators: Mapping[str, torch.Generator]) -> Dict[str, Any]:
     return states
 
 
-def set_rng_states(states: Dict[str, Any], generators: Mapping[str, torch.Generator]) -> None:
+def set_rng_states(states: dict[str, Any], generators: Mapping[str, torch.Generator]) -> None:
     """Restore what :func:`rng_states` returned (has side effects: every global generator)."""
     pyro.util.set_rng_state(states)
     if "cuda" in states and torch.cuda.is_available():
@@ -79,7 +80,7 @@ class Checkpoint:
         path: str,
         optim: PyroOptim,
         modules: Optional[Mapping[str, torch.nn.Module]] = None,
-        hyper_parameters: Optional[Dict[str, Any]] = None,
+        hyper_parameters: Optional[dict[str, Any]] = None,
         generators: Optional[Mapping[str, torch.Generator]] = None,
     ) -> None:
         self.path = path
@@ -111,7 +112,7 @@ class Checkpoint:
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         atomic_save(state, self.path)
 
-    def read(self, map_location=None) -> Dict[str, Any]:
+    def read(self, map_location=None) -> dict[str, Any]:
         """
         The saved dict, unapplied.
 
@@ -132,7 +133,7 @@ class Checkpoint:
             )
         return state
 
-    def load(self, map_location=None) -> Dict[str, Any]:
+    def load(self, map_location=None) -> dict[str, Any]:
         """
         Restore the saved state: the param store (the modules bound to it), the optimiser, the
         random generators. Has side effects on all of them; call it after the modules and the
@@ -149,7 +150,7 @@ class Checkpoint:
         set_rng_states(state["rng_states"], self.generators)
         return state
 
-    def resume(self, epochs: int, map_location=None) -> Dict[str, Any]:
+    def resume(self, epochs: int, map_location=None) -> dict[str, Any]:
         """
         :meth:`load` the checkpoint if there is one, for a run of ``epochs`` epochs in all.
 

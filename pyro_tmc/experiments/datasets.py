@@ -16,7 +16,7 @@ between them, in that order, and says which one it used (:attr:`Splits.source`).
 import gzip
 import os
 import pickle
-from typing import Dict, NamedTuple, Optional, Tuple
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -39,12 +39,12 @@ class Splits(dict):
         or ``"embedded digits (synthetic 28x28 images; no MNIST file given)"``.
     """
 
-    def __init__(self, splits: Dict[str, Split], source: str) -> None:
+    def __init__(self, splits: dict[str, Split], source: str) -> None:
         super().__init__(splits)
         self.source = source
 
 
-def read_pickled_mnist(path: str) -> Dict[str, Split]:
+def read_pickled_mnist(path: str) -> dict[str, Split]:
     """
     :param str path: a gzip'd pickle of ``(train, valid, test)``, each ``(images, labels)``.
     :returns: the three splits by name.
@@ -63,7 +63,7 @@ def default_download_root() -> str:
     return os.path.join(cache, "pyro_tmc")
 
 
-def _torchvision_mnist(root: str) -> Dict[str, Split]:
+def _torchvision_mnist(root: str) -> dict[str, Split]:
     """torchvision's MNIST; its 60,000 training images split 50,000 / 10,000 as in the pickled file."""
     from torchvision.datasets import MNIST
 
@@ -104,7 +104,7 @@ def load_mnist(path: Optional[str] = None, download_root: Optional[str] = None) 
         ) from None
 
 
-def _sklearn_digits() -> Tuple[torch.Tensor, torch.Tensor]:
+def _sklearn_digits() -> tuple[torch.Tensor, torch.Tensor]:
     from sklearn.datasets import load_digits
 
     digits = load_digits()
@@ -114,7 +114,7 @@ def _sklearn_digits() -> Tuple[torch.Tensor, torch.Tensor]:
 
 def _synthetic_digits(
     num_images: int = 3000, side: int = 28, seed: int = 0
-) -> Tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Ten random prototypes of blurred strokes; each image is a prototype with its pixels jittered."""
     generator = torch.Generator().manual_seed(seed)
     ramp = torch.linspace(-1.0, 1.0, side)

@@ -1,6 +1,6 @@
 """Figures of the experiments, drawn from their result rows (the computing is in toy.py, chain.py, vae.py)."""
 
-from typing import Dict, List, Sequence
+from collections.abc import Sequence
 
 COLOURS = {"TMC": "tab:red", "SMC": "tab:green", "IWAE": "tab:blue", "exact": "black"}
 
@@ -14,12 +14,12 @@ def _pyplot():
     return plt
 
 
-def _series(rows: Sequence[Dict], method: str, x: str, y: str):
+def _series(rows: Sequence[dict], method: str, x: str, y: str):
     points = sorted((row[x], row[y], row.get("se", 0.0)) for row in rows if row["method"] == method)
     return [p[0] for p in points], [p[1] for p in points], [p[2] for p in points]
 
 
-def toy_figure(k_rows: Sequence[Dict], n_rows: Sequence[Dict], path: str) -> None:
+def toy_figure(k_rows: Sequence[dict], n_rows: Sequence[dict], path: str) -> None:
     """
     Paper Fig. 3: bound (A) and time (B) vs K at fixed N; bound per data point (C) and time (D)
     vs N at fixed K.
@@ -65,7 +65,7 @@ def toy_figure(k_rows: Sequence[Dict], n_rows: Sequence[Dict], path: str) -> Non
     plt.close(fig)
 
 
-def chain_figure(rows: Sequence[Dict], exact: float, path: str) -> None:
+def chain_figure(rows: Sequence[dict], exact: float, path: str) -> None:
     """Paper Fig. 4: bound vs K for each proposal, against the exact log p(x)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(5.5, 4))
@@ -82,7 +82,7 @@ def chain_figure(rows: Sequence[Dict], exact: float, path: str) -> None:
     plt.close(fig)
 
 
-def vae_figures(rows: Sequence[Dict], out: str) -> None:
+def vae_figures(rows: Sequence[dict], out: str) -> None:
     """Paper Fig. 5 (``vae_bounds.png``: test bounds by recognition model) and Fig. 6 (``vae_time.png``)."""
     plt = _pyplot()
     trained = [row for row in rows if "test TMC" in row]
@@ -124,7 +124,7 @@ def vae_figures(rows: Sequence[Dict], out: str) -> None:
     plt.close(fig)
 
 
-def _vae_points(rows, recognition: str, objective: str, column: str, reductions: Sequence[str]) -> List:
+def _vae_points(rows, recognition: str, objective: str, column: str, reductions: Sequence[str]) -> list:
     found = {
         row["variance reduction"]: row[column]
         for row in rows
@@ -134,7 +134,7 @@ def _vae_points(rows, recognition: str, objective: str, column: str, reductions:
 
 
 def _mean_epoch_times(rows):
-    times: Dict[str, List[float]] = {}
+    times: dict[str, list[float]] = {}
     for row in rows:
         label = f"{row['trained with'].upper()} {row['variance reduction']}"
         times.setdefault(label, []).append(row["s/epoch"])

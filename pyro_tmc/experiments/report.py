@@ -9,7 +9,8 @@ import platform
 import sys
 import textwrap
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from collections.abc import Sequence
+from typing import Callable, Optional
 
 import torch
 
@@ -130,9 +131,9 @@ def print_notes(notes: Sequence[Optional[str]]) -> None:
             print(textwrap.fill(note, width=100, initial_indent="  ", subsequent_indent="    "))
 
 
-def write_csv(rows: Sequence[Dict], path: str) -> None:
+def write_csv(rows: Sequence[dict], path: str) -> None:
     """Rows of flat dicts; the columns are the union of their keys, in first-seen order."""
-    columns: List[str] = []
+    columns: list[str] = []
     for row in rows:
         columns += [key for key in row if key not in columns]
     with open(path, "w", newline="") as f:
@@ -147,7 +148,7 @@ def write_json(obj, path: str) -> None:
 
 
 def format_table(
-    rows: Sequence[Dict], columns: Sequence[str], floats: str = "{:.3f}", left: Sequence[str] = ("note",)
+    rows: Sequence[dict], columns: Sequence[str], floats: str = "{:.3f}", left: Sequence[str] = ("note",)
 ) -> str:
     """
     A fixed-width text table of ``columns``; floats formatted by ``floats``, missing cells blank.
@@ -171,14 +172,14 @@ def format_table(
     return "\n".join(lines)
 
 
-def mean_and_se(values: Sequence[float]) -> Dict[str, float]:
+def mean_and_se(values: Sequence[float]) -> dict[str, float]:
     """Mean and standard error of the mean (0 for a single value)."""
     mean = sum(values) / len(values)
     var = sum((v - mean) ** 2 for v in values) / max(len(values) - 1, 1)
     return {"mean": mean, "se": math.sqrt(var / len(values))}
 
 
-def timed_draws(draw: Callable[[], float], repeats: int, device: str) -> Dict[str, float]:
+def timed_draws(draw: Callable[[], float], repeats: int, device: str) -> dict[str, float]:
     """
     Mean and standard error of ``repeats`` calls of ``draw``, and seconds per call; one warm-up
     call first, excluded from both.

@@ -8,7 +8,7 @@ Everything is jointly Gaussian, so log p(x) is exact: x ~ N(0, 2 I + 1 1^T).
 
 import argparse
 import math
-from typing import Dict, List, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -51,7 +51,7 @@ def exact_log_evidence(x: torch.Tensor) -> float:
     return float(-0.5 * (n * math.log(2 * math.pi) + log_det + quad))
 
 
-def time_bound(elbo, x: torch.Tensor, repeats: int) -> Dict[str, float]:
+def time_bound(elbo, x: torch.Tensor, repeats: int) -> dict[str, float]:
     """Mean and standard error of ``elbo.log_evidence`` over ``repeats`` draws, and seconds per draw."""
     return timed_draws(lambda: elbo.log_evidence(model, guide, x).item(), repeats, x.device)
 
@@ -73,7 +73,7 @@ def iwae_log_evidence(x: torch.Tensor, num_samples: int, chunk_size: int = 10000
     return torch.logsumexp(bounds + weights.log(), 0).item()
 
 
-def estimate(method: str, x: torch.Tensor, num_samples: int, repeats: int) -> Dict[str, float]:
+def estimate(method: str, x: torch.Tensor, num_samples: int, repeats: int) -> dict[str, float]:
     """Mean, standard error and seconds per estimate of ``method`` (``"TMC"``, ``"SMC"`` or ``"IWAE"``)."""
     from pyro_tmc import TMC_ELBO
 
@@ -91,7 +91,7 @@ def bounds_table(
     ks: Sequence[int] = (1, 4, 16, 64, 256),
     repeats: int = 10,
     device: str = "cpu",
-) -> List[Dict[str, float]]:
+) -> list[dict[str, float]]:
     """TMC and IWAE bounds against the exact log p(x) for each K."""
     from pyro_tmc import IWAE_ELBO, TMC_ELBO
 
@@ -105,7 +105,7 @@ def bounds_table(
     return rows
 
 
-def format_table(rows: List[Dict]) -> str:
+def format_table(rows: list[dict]) -> str:
     """The demo's table: each bound as mean ± standard error, and milliseconds per estimate."""
     header = (
         f"{'K':>6} {'exact log p(x)':>15} {'TMC bound ± s.e.':>18} {'IWAE bound ± s.e.':>18} "
@@ -122,7 +122,7 @@ def format_table(rows: List[Dict]) -> str:
     return "\n".join(lines)
 
 
-def sweep(panel: str, settings: Sequence[Dict], repeats: int, device: str) -> List[Dict]:
+def sweep(panel: str, settings: Sequence[dict], repeats: int, device: str) -> list[dict]:
     """
     One result row per (setting, method), and one ``"exact"`` row per setting.
 
@@ -142,13 +142,13 @@ def sweep(panel: str, settings: Sequence[Dict], repeats: int, device: str) -> Li
     return rows
 
 
-def pivot(rows: Sequence[Dict], panel: str) -> List[Dict]:
+def pivot(rows: Sequence[dict], panel: str) -> list[dict]:
     """
     One line per value of the swept variable: each method's estimate (mean ± standard error)
     and milliseconds per estimate side by side; a method not run at a setting is left out (a blank cell).
     """
     fixed = "N" if panel == "K" else "K"
-    lines: Dict[int, Dict] = {}
+    lines: dict[int, dict] = {}
     for row in rows:
         line = lines.setdefault(row[panel], {panel: row[panel], fixed: row[fixed]})
         if "se" in row:
@@ -190,7 +190,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=5, help="independent estimates per point")
 
 
-def run(args: argparse.Namespace) -> List[Dict]:
+def run(args: argparse.Namespace) -> list[dict]:
     """Paper Fig. 3: TMC, SMC, IWAE and the exact log p(x), swept over K and over N."""
     from pyro_tmc.experiments import plots, report
 

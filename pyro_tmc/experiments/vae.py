@@ -23,11 +23,12 @@ import argparse
 import dataclasses
 import os
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Callable, Optional
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 from torch.nn.utils.parametrizations import weight_norm
 from tqdm import tqdm
 
@@ -72,7 +73,7 @@ class GaussianHead(nn.Module):
         self.loc = _linear(n_in, n_out)
         self.scale = _linear(n_in, n_out)
 
-    def forward(self, h: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.loc(h), 0.01 + F.softplus(self.scale(h))
 
 
@@ -177,7 +178,7 @@ class TrainedVAE:
     steps: int
     final_loss: float  # minus the training bound per data point, mean of the last epoch
     first_step_seconds: float = float("nan")  # the warm-up step, excluded from seconds_per_epoch
-    loss_history: List[List[float]] = dataclasses.field(default_factory=list)  # per epoch, per step
+    loss_history: list[list[float]] = dataclasses.field(default_factory=list)  # per epoch, per step
 
 
 def binarise(images: torch.Tensor) -> torch.Tensor:
@@ -229,8 +230,8 @@ def train(
     if checkpoint_path is not None:
         checkpoint = training_checkpoint(checkpoint_path, config, images, optim, generative, recognition)
     saved = checkpoint.resume(config.epochs) if checkpoint is not None and resume else {}
-    history: List[List[float]] = saved.get("loss_history", [])
-    step_seconds: List[float] = saved.get("step_seconds", [])
+    history: list[list[float]] = saved.get("loss_history", [])
+    step_seconds: list[float] = saved.get("step_seconds", [])
     steps_per_epoch = -(-len(images) // config.batch_size)
     bar = tqdm(
         total=config.epochs * steps_per_epoch,
@@ -295,10 +296,10 @@ def run_grid(
     train_images: torch.Tensor,
     test_images: torch.Tensor,
     eval_samples: int,
-    on_row: Optional[Callable[[List[Dict]], None]] = None,
+    on_row: Optional[Callable[[list[dict]], None]] = None,
     checkpoint_dir: Optional[str] = None,
     resume: bool = False,
-) -> List[Dict]:
+) -> list[dict]:
     """
     Train every configuration and evaluate it under both objectives; unsupported ones are rows
     marked skipped, with the reason.
@@ -364,7 +365,7 @@ class _Program(nn.Module):
         getattr(self.module, self.program)(x, num_data)
 
 
-def train_data_parallel(config: TrainConfig, images: torch.Tensor, devices: int) -> Dict:
+def train_data_parallel(config: TrainConfig, images: torch.Tensor, devices: int) -> dict:
     """
     Train one configuration across ``devices`` processes (CPU: gloo; CUDA: one GPU each)
     with :func:`pyro_tmc.contrib.lightning.fit_data_parallel`; each process takes its own
@@ -464,10 +465,10 @@ def _run_data_parallel(
     train_images: torch.Tensor,
     args: argparse.Namespace,
     out: str,
-    files: List[str],
+    files: list[str],
     data: str,
     smoke: Optional[str],
-) -> List[Dict]:
+) -> list[dict]:
     print(
         f"VAE, data-parallel over {args.devices} process(es): {config.recognition} recognition, "
         f"{config.objective}, K={config.num_samples}, {len(train_images)} images, {config.epochs} epoch(s)"
@@ -486,7 +487,7 @@ def _run_data_parallel(
     return rows
 
 
-def run(args: argparse.Namespace) -> List[Dict]:
+def run(args: argparse.Namespace) -> list[dict]:
     """Paper Figs. 5 and 6: train the grid, evaluate each model under both bounds, tabulate and plot."""
     if args.devices and args.resume:
         raise CheckpointError(

@@ -31,7 +31,7 @@ import os
 import traceback
 import warnings
 from dataclasses import dataclass, replace
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Optional
 
 import torch
 
@@ -171,7 +171,7 @@ def is_broadcast_evidence(error: Exception) -> bool:
     )
 
 
-def _library_dirs() -> Tuple[str, ...]:
+def _library_dirs() -> tuple[str, ...]:
     """Pyro's and this package's source folders: where their own checks raise."""
     ours = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     return tuple(path + os.sep for path in (os.path.dirname(os.path.abspath(pyro.__file__)), ours))
@@ -180,7 +180,7 @@ def _library_dirs() -> Tuple[str, ...]:
 _LIBRARIES = _library_dirs()
 
 
-def _raised_by(error: Exception, dirs: Tuple[str, ...]) -> bool:
+def _raised_by(error: Exception, dirs: tuple[str, ...]) -> bool:
     """Whether the innermost frame of ``error``'s traceback lies in one of ``dirs``."""
     frames = list(traceback.walk_tb(error.__traceback__))
     return bool(frames) and frames[-1][0].f_code.co_filename.startswith(dirs)
@@ -244,7 +244,7 @@ def check_particle_sizes(
                 )
 
 
-def _particle_owners(traces) -> Dict[Tuple[int, int], Tuple[str, int]]:
+def _particle_owners(traces) -> dict[tuple[int, int], tuple[str, int]]:
     """``(dim, id) -> (site, count)`` of every latent with a particle dim."""
     owners = {}
     for trace in traces:
@@ -264,7 +264,7 @@ def _value_batch_shape(site) -> torch.Size:
     return value.shape[: value.dim() - site["fn"].event_dim]
 
 
-def _density_shape(site) -> List[int]:
+def _density_shape(site) -> list[int]:
     """
     The shape of the site's log density (:func:`~pyro_tmc.ops.shapes.log_prob_shape`:
     ``torch.broadcast_shapes`` would import sympy on the first step).

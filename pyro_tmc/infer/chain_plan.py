@@ -25,11 +25,11 @@ are keyed.
 """
 
 import warnings
-from typing import Dict, Optional
+from typing import Optional
 
 import torch
 
-import pyro.poutine as poutine
+from pyro import poutine
 from pyro.poutine import Trace
 
 from pyro_tmc.estimate.vectorized_markov import without_funsor_scoring
@@ -64,9 +64,9 @@ class ChainPlans:
     """
 
     def __init__(self) -> None:
-        self._plans: Dict[tuple, Optional[ChainDims]] = {}
+        self._plans: dict[tuple, Optional[ChainDims]] = {}
         #: argument key -> why the plan did not serve (for the error should particle dims run out)
-        self._refusals: Dict[tuple, str] = {}
+        self._refusals: dict[tuple, str] = {}
 
     @staticmethod
     def key(args: tuple, kwargs: dict, settings) -> tuple:
@@ -136,7 +136,7 @@ def plan_chain_dims(model, args: tuple, kwargs: dict, first_available_dim: int) 
     return ChainDims(dims) if dims else None
 
 
-def chain_dims_of(model_trace: Trace) -> Dict[str, int]:
+def chain_dims_of(model_trace: Trace) -> dict[str, int]:
     """Model latent -> the particle dim its ``pyro.markov`` context gave it (chain sites only)."""
     return {
         name: own_particle_dim(site)

@@ -14,14 +14,14 @@ Reference: Pyro's ``pyro.poutine.collapse_messenger.CollapseMessenger``.
 """
 
 import traceback
-from typing import Dict, Optional, Tuple
+from typing import Optional
 
 import torch
 
 from pyro.poutine.collapse_messenger import CollapseMessenger
 
 
-def collapse_refusal(error: BaseException, particle_dims: Dict[int, Tuple[str, int]]):
+def collapse_refusal(error: BaseException, particle_dims: dict[int, tuple[str, int]]):
     """
     :param error: an error raised while running a model or guide under ``tmc``.
     :param dict particle_dims: ``dim -> (site, K)``: the particle dims present

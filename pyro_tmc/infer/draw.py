@@ -20,11 +20,11 @@ posterior marginal).
 
 import warnings
 from dataclasses import dataclass, field, replace
-from typing import Callable, Dict, List, Optional, Set, Tuple
+from typing import Callable, Optional
 
 import torch
 
-import pyro.poutine as poutine
+from pyro import poutine
 from pyro.infer.util import is_validation_enabled
 from pyro.poutine import Trace
 from pyro.poutine.util import prune_subsample_sites
@@ -113,7 +113,7 @@ class TMCDraw:
     plan: EvaluationPlan
     settings: DrawSettings
     live_trace: Optional[Trace] = None
-    leaves: Dict[str, torch.Tensor] = field(default_factory=dict)
+    leaves: dict[str, torch.Tensor] = field(default_factory=dict)
 
     # -- making one ------------------------------------------------------------
 
@@ -125,7 +125,7 @@ class TMCDraw:
         args: tuple,
         kwargs: dict,
         settings: DrawSettings,
-        leaf_sites: Optional[Callable[[Trace], List[str]]] = None,
+        leaf_sites: Optional[Callable[[Trace], list[str]]] = None,
         leaves_require_grad: bool = True,
     ) -> "TMCDraw":
         """
@@ -173,13 +173,13 @@ class TMCDraw:
         """The model's site ``name``, or the guide's when only the guide has it (an auxiliary latent)."""
         return model_or_guide_site(name, self.model_trace, self.guide_trace)
 
-    def sources(self, names: List[str]) -> Dict[str, torch.Tensor]:
+    def sources(self, names: list[str]) -> dict[str, torch.Tensor]:
         """Zero tensors over each named site's particles (see :meth:`marginal_weights`)."""
         return marginal_sources([self.site(name) for name in names])
 
     def factors(
-        self, sources: Optional[Dict[str, torch.Tensor]] = None, detach_guide_proposals: bool = False
-    ) -> List[LogFactor]:
+        self, sources: Optional[dict[str, torch.Tensor]] = None, detach_guide_proposals: bool = False
+    ) -> list[LogFactor]:
         """The packed log factors of every site (:func:`pyro_tmc.estimate.factors.compute_log_factors`)."""
         return compute_log_factors(
             self.model_trace, self.guide_trace, self.plan, sources, detach_guide_proposals
@@ -188,7 +188,7 @@ class TMCDraw:
     # -- the estimate --------------------------------------------------------------
 
     def log_estimate(
-        self, sources: Optional[Dict[str, torch.Tensor]] = None, detach_guide_proposals: bool = False
+        self, sources: Optional[dict[str, torch.Tensor]] = None, detach_guide_proposals: bool = False
     ) -> torch.Tensor:
         """
         ``log P_TMC`` of this draw.
@@ -210,8 +210,8 @@ class TMCDraw:
         return estimate
 
     def marginal_weights(
-        self, log_estimate: torch.Tensor, sources: Dict[str, torch.Tensor], retain_graph: bool = True
-    ) -> Dict[str, torch.Tensor]:
+        self, log_estimate: torch.Tensor, sources: dict[str, torch.Tensor], retain_graph: bool = True
+    ) -> dict[str, torch.Tensor]:
         """
         Each source's site's posterior marginal weights (per particle and plate
         element), by the autodiff identity: d log P / d source divided by what
@@ -236,7 +236,7 @@ class TMCDraw:
 
         return posterior.compute_marginals(self)
 
-    def sample(self, num_draws: int) -> Dict[str, torch.Tensor]:
+    def sample(self, num_draws: int) -> dict[str, torch.Tensor]:
         """:func:`pyro_tmc.infer.posterior.sample_posterior` of this draw."""
         from pyro_tmc.infer import posterior
 
@@ -246,7 +246,7 @@ class TMCDraw:
 # -- running guide and model ---------------------------------------------------------
 
 
-def traces_of_one_draw(model, guide, args, kwargs, settings: DrawSettings) -> Tuple[Trace, Trace]:
+def traces_of_one_draw(model, guide, args, kwargs, settings: DrawSettings) -> tuple[Trace, Trace]:
     """The finished (model, guide) traces of a plain draw (no leaves)."""
     guide_trace = run_guide(guide, args, kwargs, settings)
     model_trace = run_model(model, guide_trace, args, kwargs, settings)
@@ -401,7 +401,7 @@ def continuing_messenger(replayed: Trace, settings: DrawSettings) -> TMCMessenge
     )
 
 
-def particle_dims_of(trace: Trace) -> Set[int]:
+def particle_dims_of(trace: Trace) -> set[int]:
     """Every dim that a latent value of the trace varies along by its particles."""
     return {
         dim for site in trace.nodes.values() if is_latent(site) for dim in site["infer"].get("_dim_to_id", {})
@@ -417,7 +417,7 @@ def joint_dim(trace: Trace):
     return "new"
 
 
-def finish(model_trace: Trace, guide_trace: Trace, max_plate_nesting) -> Tuple[Trace, Trace, ScalePlan]:
+def finish(model_trace: Trace, guide_trace: Trace, max_plate_nesting) -> tuple[Trace, Trace, ScalePlan]:
     """
     Validate (as ``TraceEnum_ELBO`` does), prune subsample sites, symbolise, check plate dependencies.
 

@@ -16,7 +16,7 @@ differs. To add one, subclass :class:`GradientEstimator` and decorate it with
 uses it.
 """
 
-from typing import Callable, Dict, List, Optional, Type
+from typing import Callable, Optional
 
 import torch
 
@@ -28,7 +28,7 @@ from pyro_tmc.poutine.proposals import proposal_log_prob, sampling_log_prob
 from pyro_tmc.poutine.sites import is_drawn, is_latent, particle_draw, source_weights
 
 #: name -> estimator class; ``None`` is the plain gradient
-ESTIMATORS: Dict[Optional[str], Type["GradientEstimator"]] = {}
+ESTIMATORS: dict[Optional[str], type["GradientEstimator"]] = {}
 
 
 def register_estimator(name: Optional[str]) -> Callable[[type], type]:
@@ -67,7 +67,7 @@ class GradientEstimator:
     uses_leaves = False
     leaves_require_grad = True
 
-    def leaf_sites(self, live_trace: Trace) -> List[str]:
+    def leaf_sites(self, live_trace: Trace) -> list[str]:
         """The guide sites whose particles become leaves (when :attr:`uses_leaves`)."""
         return []
 
@@ -126,10 +126,10 @@ class StickingTheLanding(GradientEstimator):
 
     uses_leaves = True
 
-    def leaf_sites(self, live_trace: Trace) -> List[str]:
+    def leaf_sites(self, live_trace: Trace) -> list[str]:
         return reparameterised_latents(live_trace, self.name)
 
-    def weight_sources(self, draw: TMCDraw, names: List[str]) -> Dict[str, torch.Tensor]:
+    def weight_sources(self, draw: TMCDraw, names: list[str]) -> dict[str, torch.Tensor]:
         """Sources whose gradients weight each particle's path gradient (none: STL)."""
         return {}
 
@@ -161,12 +161,12 @@ class DReGs(StickingTheLanding):
     Exact for guides whose sites do not depend on upstream particles.
     """
 
-    def leaf_sites(self, live_trace: Trace) -> List[str]:
+    def leaf_sites(self, live_trace: Trace) -> list[str]:
         names = reparameterised_latents(live_trace, self.name)
         check_factorised(live_trace, names)
         return names
 
-    def weight_sources(self, draw: TMCDraw, names: List[str]) -> Dict[str, torch.Tensor]:
+    def weight_sources(self, draw: TMCDraw, names: list[str]) -> dict[str, torch.Tensor]:
         return draw.sources(names)
 
 
@@ -181,7 +181,7 @@ class WakeSleep(GradientEstimator):
     uses_leaves = True
     leaves_require_grad = False
 
-    def leaf_sites(self, live_trace: Trace) -> List[str]:
+    def leaf_sites(self, live_trace: Trace) -> list[str]:
         return [name for name, site in live_trace.nodes.items() if is_drawn(site)]
 
     def surrogate(self, draw: TMCDraw) -> torch.Tensor:

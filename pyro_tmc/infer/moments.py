@@ -15,7 +15,7 @@ effective number of draws says so, and then a larger K is the cure.
 """
 
 from collections import OrderedDict
-from typing import Callable, Dict, List, NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -83,8 +83,8 @@ def posterior_moments(
         raise ValueError(
             "posterior_moments reads one TMC draw at a time: construct the loss with num_particles=1."
         )
-    firsts: Dict[str, List[torch.Tensor]] = OrderedDict()
-    seconds: Dict[str, List[torch.Tensor]] = OrderedDict()
+    firsts: dict[str, list[torch.Tensor]] = OrderedDict()
+    seconds: dict[str, list[torch.Tensor]] = OrderedDict()
     log_evidences = []
     for _ in range(num_draws):
         with torch.no_grad():

@@ -47,7 +47,7 @@ The score term has zero mean for a single sample but is noisy.
   longer exact: DReGs then raises ``NotImplementedError`` naming the site.
 """
 
-from typing import Dict, List, Optional, Tuple
+from typing import Optional
 
 import torch
 
@@ -56,7 +56,7 @@ from pyro.poutine import Trace
 from pyro_tmc.poutine.sites import is_drawn, is_point_mass_latent, particle_draw
 
 
-def reparameterised_latents(guide_trace: Trace, estimator: str) -> List[str]:
+def reparameterised_latents(guide_trace: Trace, estimator: str) -> list[str]:
     """
     Names of the guide's sampled latent sites, which a path-gradient estimator
     differentiates through.
@@ -77,7 +77,7 @@ def reparameterised_latents(guide_trace: Trace, estimator: str) -> List[str]:
     return names
 
 
-def check_factorised(guide_trace: Trace, names: List[str]) -> None:
+def check_factorised(guide_trace: Trace, names: list[str]) -> None:
     """:raises NotImplementedError: if a guide site's proposal depends on upstream particles (DReGs)."""
     for name in names:
         draw = particle_draw(guide_trace.nodes[name])
@@ -90,8 +90,8 @@ def check_factorised(guide_trace: Trace, names: List[str]) -> None:
 
 
 def with_leaf_values(
-    guide_trace: Trace, names: List[str], requires_grad: bool = True
-) -> Tuple[Trace, Dict[str, torch.Tensor]]:
+    guide_trace: Trace, names: list[str], requires_grad: bool = True
+) -> tuple[Trace, dict[str, torch.Tensor]]:
     """
     A copy of ``guide_trace`` whose latent values are detached leaves (that
     require grad, by default), to be replayed so that every density is
@@ -112,10 +112,10 @@ def with_leaf_values(
 
 
 def path_surrogate(
-    live_values: Dict[str, torch.Tensor],
-    value_grads: Dict[str, Optional[torch.Tensor]],
-    weights: Optional[Dict[str, torch.Tensor]] = None,
-    event_dims: Optional[Dict[str, int]] = None,
+    live_values: dict[str, torch.Tensor],
+    value_grads: dict[str, Optional[torch.Tensor]],
+    weights: Optional[dict[str, torch.Tensor]] = None,
+    event_dims: Optional[dict[str, int]] = None,
 ) -> torch.Tensor:
     """
     ``sum_j stop(w_j * dF/dz_j) . z_j`` minus its own value: zero-valued, its

@@ -22,7 +22,7 @@ site.
 
 import math
 from collections import OrderedDict
-from typing import Callable, Dict, List, Tuple
+from typing import Callable
 
 import torch
 
@@ -46,12 +46,12 @@ from pyro_tmc.poutine.sites import (
 DRAWS = "\u2203"
 
 
-def latent_sites(model_trace: Trace) -> List[str]:
+def latent_sites(model_trace: Trace) -> list[str]:
     """Latent sites that carry particles (or enumerated values), in the order they were drawn."""
     return [name for name, site in model_trace.nodes.items() if is_latent(site) and not is_point_mass(site)]
 
 
-def particle_sites(model_trace: Trace, guide_trace: Trace) -> List[dict]:
+def particle_sites(model_trace: Trace, guide_trace: Trace) -> list[dict]:
     """
     Every site with a particle dim of its own: the model's latents, then the
     guide's auxiliary latents (AutoNormal's ``<name>_unconstrained``), whose
@@ -65,12 +65,12 @@ def particle_sites(model_trace: Trace, guide_trace: Trace) -> List[dict]:
     return sites
 
 
-def point_mass_sites(model_trace: Trace) -> List[str]:
+def point_mass_sites(model_trace: Trace) -> list[str]:
     """Model latents with no particle dim of their own (Delta guide sites: AutoDelta, AutoNormal)."""
     return [name for name, site in model_trace.nodes.items() if is_point_mass_latent(site)]
 
 
-def _carried_particle_dims(site, plate_to_symbol: Dict[str, str]) -> Dict[str, int]:
+def _carried_particle_dims(site, plate_to_symbol: dict[str, str]) -> dict[str, int]:
     """Packed symbol -> dim of each particle dim along which the site's value varies."""
     value = site["value"]
     batch = value.shape[: value.dim() - site["fn"].event_dim]
@@ -82,7 +82,7 @@ def _carried_particle_dims(site, plate_to_symbol: Dict[str, str]) -> Dict[str, i
     }
 
 
-def _plate_shape(site) -> Tuple[int, ...]:
+def _plate_shape(site) -> tuple[int, ...]:
     """The sizes of the site's plates, at their dims (1 where no plate sits)."""
     frames = [f for f in site["cond_indep_stack"] if f.vectorized]
     shape = [1] * (-min(f.dim for f in frames) if frames else 0)
@@ -91,7 +91,7 @@ def _plate_shape(site) -> Tuple[int, ...]:
     return tuple(shape)
 
 
-def _plate_slot_symbols(site, plate_to_symbol: Dict[str, str]) -> List[str]:
+def _plate_slot_symbols(site, plate_to_symbol: dict[str, str]) -> list[str]:
     """The packed symbol at each of the site's plate dims ('' where no plate sits)."""
     frames = [f for f in site["cond_indep_stack"] if f.vectorized]
     symbols = [""] * len(_plate_shape(site))
@@ -168,7 +168,7 @@ def compute_marginals(draw) -> "OrderedDict[str, Empirical]":
     return marginals_and_log_estimate(draw)[0]
 
 
-def marginals_and_log_estimate(draw) -> Tuple["OrderedDict[str, Empirical]", torch.Tensor]:
+def marginals_and_log_estimate(draw) -> tuple["OrderedDict[str, Empirical]", torch.Tensor]:
     """
     :func:`compute_marginals` and the draw's ``log P_TMC`` (detached), from one
     contraction: what a loop that both reports the bound and reads the posterior needs.
@@ -251,7 +251,7 @@ def _condition(term: torch.Tensor, symbol: str, index: torch.Tensor) -> torch.Te
 
 
 def _laid_out(
-    term: torch.Tensor, dims: List[str], sizes: Dict[str, int], expand_to: List[str]
+    term: torch.Tensor, dims: list[str], sizes: dict[str, int], expand_to: list[str]
 ) -> torch.Tensor:
     """``term`` viewed over ``dims`` (:func:`~pyro_tmc.ops.shapes.packed_view`), expanded on ``expand_to``."""
     tensor = packed_view(term, dims)
@@ -259,7 +259,7 @@ def _laid_out(
     return tensor.expand(shape)
 
 
-def sample_posterior(draw, num_draws: int) -> Dict[str, torch.Tensor]:
+def sample_posterior(draw, num_draws: int) -> dict[str, torch.Tensor]:
     """
     Exact joint draws of particle combinations from the posterior of one TMC draw.
 
@@ -299,7 +299,7 @@ def sample_posterior(draw, num_draws: int) -> Dict[str, torch.Tensor]:
 
 
 def _gather_point_mass(
-    site, indices: Dict[str, torch.Tensor], plate_to_symbol, num_draws: int
+    site, indices: dict[str, torch.Tensor], plate_to_symbol, num_draws: int
 ) -> torch.Tensor:
     """
     A Delta site's value at the drawn particles of every particle dim it carries:
@@ -327,7 +327,7 @@ def _gather_point_mass(
     return picked.expand(out_shape + value.shape[batch_ndim:])
 
 
-def _with_draws_where_needed(factors: List[torch.Tensor], num_draws: int, plates) -> List[torch.Tensor]:
+def _with_draws_where_needed(factors: list[torch.Tensor], num_draws: int, plates) -> list[torch.Tensor]:
     """
     Give the draws' dim (as views) to every factor that shares a sum dim, directly
     or through others, with a factor already conditioned on drawn particles: those
@@ -386,7 +386,7 @@ def _draw_particle(factors, scales, site, symbol: str, num_draws: int) -> torch.
     return index
 
 
-def _gather_values(site, index: torch.Tensor, plate_to_symbol: Dict[str, str]) -> torch.Tensor:
+def _gather_values(site, index: torch.Tensor, plate_to_symbol: dict[str, str]) -> torch.Tensor:
     """The site's values at the drawn particles: (num_draws,) + plate shape + event shape."""
     event_dim = site["fn"].event_dim
     values = _particles_last(site, site["value"].detach(), event_dim)  # plates + (K,) + event

@@ -32,7 +32,8 @@ References
 
 import math
 from collections import OrderedDict
-from typing import Callable, Dict, FrozenSet, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
+from collections.abc import Iterable, Sequence
+from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 
@@ -57,7 +58,7 @@ class PosteriorDraws(NamedTuple):
     :ivar torch.Tensor log_evidences: each TMC draw's ``log P_TMC`` of the training data.
     """
 
-    samples: List[Dict[str, torch.Tensor]]
+    samples: list[dict[str, torch.Tensor]]
     log_evidences: torch.Tensor
 
 
@@ -115,7 +116,7 @@ def posterior_draws(
 
 def predictive_log_likelihood(
     model: Callable,
-    posterior_samples: Union[Dict[str, torch.Tensor], Sequence[Dict[str, torch.Tensor]], PosteriorDraws],
+    posterior_samples: Union[dict[str, torch.Tensor], Sequence[dict[str, torch.Tensor]], PosteriorDraws],
     *args,
     num_samples: int = 16,
     local_plates: Optional[Iterable[str]] = None,
@@ -183,7 +184,7 @@ def predictive_log_likelihood(
 
 
 def summarise(
-    log_likelihoods: torch.Tensor, pool_sizes: Optional[List[int]] = None, pool_log_weights=None
+    log_likelihoods: torch.Tensor, pool_sizes: Optional[list[int]] = None, pool_log_weights=None
 ) -> PredictiveLogLikelihood:
     """
     ``log sum_p a_p mean_{s in p} w_s`` of per-draw log-likelihoods ``log w_s`` in pools of
@@ -212,7 +213,7 @@ def summarise(
     return PredictiveLogLikelihood(log_estimate, standard_error, log_likelihoods, log_weights)
 
 
-def _pools(posterior_samples) -> Tuple[List[Dict[str, torch.Tensor]], Optional[torch.Tensor]]:
+def _pools(posterior_samples) -> tuple[list[dict[str, torch.Tensor]], Optional[torch.Tensor]]:
     """The sets of draws, and their log weights (``None``: equal)."""
     if isinstance(posterior_samples, PosteriorDraws):
         return list(posterior_samples.samples), posterior_samples.log_evidences
@@ -235,7 +236,7 @@ class FixedSites(Messenger):
     :param dict values: site name -> value.
     """
 
-    def __init__(self, values: Dict[str, torch.Tensor]) -> None:
+    def __init__(self, values: dict[str, torch.Tensor]) -> None:
         super().__init__()
         self.values = values
 
@@ -250,7 +251,7 @@ def _no_guide(*args, **kwargs) -> None:
     """No guide: every latent left free is drawn from the model's conditional."""
 
 
-def _plate_names(site: dict) -> FrozenSet[str]:
+def _plate_names(site: dict) -> frozenset[str]:
     return frozenset(frame.name for frame in plate_frames(site))
 
 
@@ -264,7 +265,7 @@ def _plate_nesting(trace: Trace) -> int:
     return max(dims, default=0)
 
 
-def _count_draws(posterior_samples: Dict[str, torch.Tensor]) -> int:
+def _count_draws(posterior_samples: dict[str, torch.Tensor]) -> int:
     counts = {name: value.shape[0] for name, value in posterior_samples.items() if value.dim() > 0}
     if not counts or len(set(counts.values())) != 1:
         raise ValueError(
@@ -280,7 +281,7 @@ def _drawn_size(value: torch.Tensor, site: dict, dim: int) -> int:
     return batch[dim] if -dim <= len(batch) else 1
 
 
-def _local_plates(trial: Trace, posterior_samples, local_plates) -> FrozenSet[str]:
+def _local_plates(trial: Trace, posterior_samples, local_plates) -> frozenset[str]:
     """The plates of the test rows: named, or those whose drawn size is not the test run's."""
     if local_plates is not None:
         return frozenset([local_plates] if isinstance(local_plates, str) else local_plates)
@@ -344,8 +345,8 @@ def _log_estimate_per_draw(draw, num_draws: int) -> torch.Tensor:
     draws_symbol = model_trace.plate_to_symbol[DRAWS_PLATE]
     factors = [factor.term for factor in draw.factors()]
     plates = frozenset(scales) | {draws_symbol}
-    tree: "OrderedDict[FrozenSet[str], list]" = OrderedDict()
-    sizes: Dict[str, int] = {draws_symbol: num_draws}  # a single draw's plate has no dim in the factors
+    tree: OrderedDict[frozenset[str], list] = OrderedDict()
+    sizes: dict[str, int] = {draws_symbol: num_draws}  # a single draw's plate has no dim in the factors
     for term in factors:
         sizes.update(zip(term._pyro_dims, term.shape))
         tree.setdefault(plates.intersection(term._pyro_dims), []).append(term)

@@ -40,7 +40,7 @@ References
 
 import math
 from contextlib import ExitStack
-from typing import Callable, Dict, List, NamedTuple, Optional, Tuple, Union
+from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 from torch.distributions import biject_to, constraints
@@ -66,7 +66,7 @@ class NormalFamily:
 
     name = "Normal"
 
-    def statistics(self, value: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def statistics(self, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return value, value.square()
 
     def distribution(self, first: torch.Tensor, second: torch.Tensor) -> dist.TorchDistribution:
@@ -81,7 +81,7 @@ class LogNormalFamily(NormalFamily):
 
     name = "LogNormal"
 
-    def statistics(self, value: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def statistics(self, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return super().statistics(value.log())
 
     def distribution(self, first: torch.Tensor, second: torch.Tensor) -> dist.TorchDistribution:
@@ -98,7 +98,7 @@ class GammaFamily:
 
     name = "Gamma"
 
-    def statistics(self, value: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def statistics(self, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return value, value.log()
 
     def distribution(self, first: torch.Tensor, second: torch.Tensor) -> dist.TorchDistribution:
@@ -123,7 +123,7 @@ class UnconstrainedNormalFamily(NormalFamily):
     def __init__(self, support: constraints.Constraint) -> None:
         self.transform = biject_to(support)
 
-    def statistics(self, value: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def statistics(self, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return super().statistics(self.transform.inv(value))
 
     def distribution(self, first: torch.Tensor, second: torch.Tensor) -> dist.TorchDistribution:
@@ -198,7 +198,7 @@ def unconstrained_family(site: dict) -> Optional[UnconstrainedNormalFamily]:
 class MarkovLoop(NamedTuple):
     """The guide sites of a model's ``pyro.markov`` loop: its steps (site names), and its history."""
 
-    steps: List[List[str]]
+    steps: list[list[str]]
     history: int
 
 
@@ -241,7 +241,7 @@ class QEMGuide:
     def __init__(
         self,
         model: Callable,
-        families: Optional[Dict[str, str]] = None,
+        families: Optional[dict[str, str]] = None,
         init_scale: float = 1.0,
         prefix="qem",
     ) -> None:
@@ -254,8 +254,8 @@ class QEMGuide:
             )
         self.init_scale = init_scale
         self.prefix = prefix
-        self.sites: Optional[Dict[str, QEMSite]] = None
-        self.blocks: List[Union[str, MarkovLoop]] = []  # the visiting order: sites and markov loops
+        self.sites: Optional[dict[str, QEMSite]] = None
+        self.blocks: list[Union[str, MarkovLoop]] = []  # the visiting order: sites and markov loops
 
     def param_name(self, name: str) -> str:
         return f"{self.prefix}.{name}"
@@ -298,7 +298,7 @@ class QEMGuide:
 
     # -- the guide --------------------------------------------------------------------
 
-    def statistics(self, name: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    def statistics(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """The site's current mean parameters (the two expectations)."""
         first, second = pyro.param(self.param_name(name)).detach().unbind(0)
         return first, second
@@ -349,7 +349,7 @@ class QEMGuide:
             store[self.param_name(name)] = old + lr * (statistics.reshape(old.shape).to(old) - old)
 
 
-def markov_blocks(trace, names: List[str]) -> List[Union[str, MarkovLoop]]:
+def markov_blocks(trace, names: list[str]) -> list[Union[str, MarkovLoop]]:
     """
     The sites ``names`` (in the trace's order) as the guide visits them: a site outside
     ``pyro.markov`` on its own, the sites of a loop as a :class:`MarkovLoop` of its steps.
@@ -360,8 +360,8 @@ def markov_blocks(trace, names: List[str]) -> List[Union[str, MarkovLoop]]:
     first ``history + 1`` steps, where nothing drops out yet, are read as one. Merging steps
     only costs particle dims; it never lets two steps the model links share one.
     """
-    blocks: List[Union[str, MarkovLoop]] = []
-    previous: Optional[Tuple[str, set]] = None  # the last site in a loop, and its scope
+    blocks: list[Union[str, MarkovLoop]] = []
+    previous: Optional[tuple[str, set]] = None  # the last site in a loop, and its scope
     for name in names:
         infer = trace.nodes[name]["infer"]
         depth = infer.get("_markov_depth", 0)
@@ -396,7 +396,7 @@ def _with_history(loop: MarkovLoop, trace) -> MarkovLoop:
     return MarkovLoop(loop.steps, history)
 
 
-def _initial_statistics(site: dict, family, init_scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+def _initial_statistics(site: dict, family, init_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The family's mean parameters at the prior's moments, the sds times ``init_scale``."""
     if isinstance(family, UnconstrainedNormalFamily):
         first, second = family.prior_statistics(site["fn"], init_scale)
@@ -418,7 +418,7 @@ def _whole_plate_frames(site: dict) -> tuple:
     return frames
 
 
-def _prior_moments(site: dict, init_scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+def _prior_moments(site: dict, init_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The prior's mean and variance at the site (at the prototype's parents), else (0, 1)."""
     fn = site["fn"]
     shape = fn.batch_shape + fn.event_shape

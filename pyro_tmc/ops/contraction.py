@@ -20,8 +20,9 @@ scaling belongs.
 import functools
 import math
 from collections import OrderedDict, defaultdict
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 from opt_einsum import shared_intermediates
@@ -59,7 +60,7 @@ class ChunkedFactor:
     compute: Callable[[int, int], torch.Tensor]
     numel: int = 0
 
-    def ranges(self, min_elements: int = 0) -> List[Tuple[int, int]]:
+    def ranges(self, min_elements: int = 0) -> list[tuple[int, int]]:
         """
         Slices covering the dim, of ``chunk`` particles or of at least ``min_elements``
         elements where that is more; none of length 1, which packing would squeeze away.
@@ -84,10 +85,10 @@ class ChunkedFactor:
 #: ``id(term) -> (term, stack, index)`` for the packed factors that are ``stack[index]`` of a stack
 #: of log factors (:class:`pyro_tmc.estimate.batched_densities.SiteDensities`), so that the contraction
 #: can take many such slices at once. Each entry holds its factor, which keeps its id unique.
-StackedSlices = Dict[int, Tuple[torch.Tensor, torch.Tensor, int]]
+StackedSlices = dict[int, tuple[torch.Tensor, torch.Tensor, int]]
 
 
-def stacked_slice(term: torch.Tensor, stacks: Optional[StackedSlices]) -> Optional[Tuple[torch.Tensor, int]]:
+def stacked_slice(term: torch.Tensor, stacks: Optional[StackedSlices]) -> Optional[tuple[torch.Tensor, int]]:
     """``(stack, index)`` if ``stacks`` says that ``term`` is ``stack[index]``, else ``None``."""
     entry = None if stacks is None else stacks.get(id(term))
     return None if entry is None or entry[0] is not term else entry[1:]
@@ -151,7 +152,7 @@ def _add(big: torch.Tensor, small: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def fuse_factors(factors: Sequence[torch.Tensor], plates: Iterable[str]) -> List[torch.Tensor]:
+def fuse_factors(factors: Sequence[torch.Tensor], plates: Iterable[str]) -> list[torch.Tensor]:
     """
     Add factors together where that costs nothing extra (a product of exps is
     the exp of a sum), so that the contraction sees fewer terms: first factors
@@ -160,13 +161,13 @@ def fuse_factors(factors: Sequence[torch.Tensor], plates: Iterable[str]) -> List
     to the same value.
     """
     plates = frozenset(plates)
-    groups: Dict[frozenset, torch.Tensor] = {}
+    groups: dict[frozenset, torch.Tensor] = {}
     for term in factors:
         key = frozenset(term._pyro_dims)
         groups[key] = _add(groups[key], term) if key in groups else term
-    fused: List[torch.Tensor] = []
-    fused_dims: List[frozenset] = []
-    holding: Dict[str, List[int]] = {}  # dim -> the fused terms that hold it (a host holds every dim)
+    fused: list[torch.Tensor] = []
+    fused_dims: list[frozenset] = []
+    holding: dict[str, list[int]] = {}  # dim -> the fused terms that hold it (a host holds every dim)
     for key in sorted(groups, key=lambda k: -groups[k].numel()):
         term = groups[key]
         # Only the terms holding the key's rarest dim can host it: a lookup, not a scan of all.
@@ -183,9 +184,9 @@ def fuse_factors(factors: Sequence[torch.Tensor], plates: Iterable[str]) -> List
     return fused
 
 
-def _ordinals(dims_of_factors: Sequence[str], plates: frozenset) -> Dict[str, frozenset]:
+def _ordinals(dims_of_factors: Sequence[str], plates: frozenset) -> dict[str, frozenset]:
     """Each sum dim's plates: those of every factor (given by its packed dims) that holds it."""
-    ordinal: Dict[str, frozenset] = {}
+    ordinal: dict[str, frozenset] = {}
     for dims in dims_of_factors:
         own = plates.intersection(dims)
         for dim in set(dims) - plates:
@@ -203,8 +204,8 @@ def _narrow(term: torch.Tensor, symbol: str, start: int, stop: int) -> torch.Ten
 
 def _contract(factors, plate_scales, sum_dims, target_ordinal=frozenset(), target_dims=frozenset()):
     plates = frozenset(plate_scales)
-    dim_to_size: Dict[str, int] = {}
-    tensor_tree: "OrderedDict[frozenset, List[torch.Tensor]]" = OrderedDict()
+    dim_to_size: dict[str, int] = {}
+    tensor_tree: OrderedDict[frozenset, list[torch.Tensor]] = OrderedDict()
     for term in factors:
         dim_to_size.update(zip(term._pyro_dims, term.shape))
         tensor_tree.setdefault(plates.intersection(term._pyro_dims), []).append(term)
@@ -218,7 +219,7 @@ def _contract(factors, plate_scales, sum_dims, target_ordinal=frozenset(), targe
 class EliminationGroup(NamedTuple):
     """What eliminating one chunked factor's dim takes along (see :func:`elimination_group`)."""
 
-    members: List[int]  # indices of the other factors that join the chunked one
+    members: list[int]  # indices of the other factors that join the chunked one
     home: frozenset  # the plates of the eliminated dim: the message's plates
     kept: frozenset  # particle dims the message keeps (held outside the group, or global to home)
     summed: frozenset  # particle dims summed inside the message
@@ -279,7 +280,7 @@ def _group_summing(
     lazy: ChunkedFactor,
     others: Sequence[Union[torch.Tensor, ChunkedFactor]],
     plates: frozenset,
-    ordinal: Dict[str, frozenset],
+    ordinal: dict[str, frozenset],
     summed_inside: Callable[[str], bool],
 ) -> EliminationGroup:
     """
@@ -289,7 +290,7 @@ def _group_summing(
     ``home``, and sums the others.
     """
     home = ordinal[lazy.symbol]
-    members: List[int] = []
+    members: list[int] = []
     summed, frontier = {lazy.symbol}, {lazy.symbol}
     group_dims = set(lazy.dims) - plates
     while frontier:
@@ -305,7 +306,7 @@ def _group_summing(
     return EliminationGroup(members, home, frozenset(kept), frozenset(group_dims - kept))
 
 
-def _dim_sizes(factors: Sequence[Union[torch.Tensor, ChunkedFactor]]) -> Dict[str, int]:
+def _dim_sizes(factors: Sequence[Union[torch.Tensor, ChunkedFactor]]) -> dict[str, int]:
     """Each dim's length, read from the tensors' shapes and the chunked factors' own dims."""
     sizes = {t.symbol: t.size for t in factors if isinstance(t, ChunkedFactor)}
     for t in factors:
@@ -314,7 +315,7 @@ def _dim_sizes(factors: Sequence[Union[torch.Tensor, ChunkedFactor]]) -> Dict[st
     return sizes
 
 
-def _message_elements(group: EliminationGroup, sizes: Dict[str, int]) -> int:
+def _message_elements(group: EliminationGroup, sizes: dict[str, int]) -> int:
     """How many elements the group's message holds: its kept dims and its plates."""
     return math.prod(sizes.get(d, 1) for d in group.kept | group.home)
 
@@ -322,8 +323,8 @@ def _message_elements(group: EliminationGroup, sizes: Dict[str, int]) -> int:
 def eliminate_in_chunks(
     lazy: ChunkedFactor,
     factors: Sequence[Union[torch.Tensor, ChunkedFactor]],
-    plate_scales: Dict[str, float],
-) -> List[Union[torch.Tensor, ChunkedFactor]]:
+    plate_scales: dict[str, float],
+) -> list[Union[torch.Tensor, ChunkedFactor]]:
     """
     Sum out ``lazy.symbol`` slice by slice: ``sum_k = sum_slices sum_{k in slice}``,
     so each slice's partial contraction (a *message* over the dims that factors
@@ -379,7 +380,7 @@ def _slice_elements(lazy: ChunkedFactor) -> int:
     return lazy.chunk * per_particle
 
 
-def _zero_factor(terms: List[torch.Tensor], dims: str) -> torch.Tensor:
+def _zero_factor(terms: list[torch.Tensor], dims: str) -> torch.Tensor:
     """A log factor of zeros over ``dims`` (sizes read from ``terms``), expanded: no memory of its own."""
     sizes = {d: n for t in terms for d, n in zip(t._pyro_dims, t.shape)}
     zero = terms[0].new_zeros(()).expand(tuple(sizes[d] for d in dims))
@@ -392,7 +393,7 @@ def _materialised(term: Union[torch.Tensor, ChunkedFactor]) -> torch.Tensor:
 
 
 def _log_sum_over_slices(
-    message: Callable[..., torch.Tensor], ranges: List[Tuple[int, int]], inputs: List[torch.Tensor]
+    message: Callable[..., torch.Tensor], ranges: list[tuple[int, int]], inputs: list[torch.Tensor]
 ) -> torch.Tensor:
     """
     ``log sum_i exp(message(*ranges[i], *inputs))``, elementwise, holding one
@@ -438,7 +439,7 @@ def _relative_weight(message, total: torch.Tensor, start: int, stop: int, *input
     return (message(start, stop, *inputs) - total.clamp(min=torch.finfo(total.dtype).min)).exp()
 
 
-def _next_to_eliminate(pending: List[ChunkedFactor]) -> int:
+def _next_to_eliminate(pending: list[ChunkedFactor]) -> int:
     """
     The index of the pending chunked factor to eliminate next: the last (children
     come after their parents, and then meet only small messages) whose dim no
@@ -452,7 +453,7 @@ def _next_to_eliminate(pending: List[ChunkedFactor]) -> int:
 
 def contract_log_factors(
     factors: Sequence[Union[torch.Tensor, ChunkedFactor]],
-    plate_scales: Dict[str, float],
+    plate_scales: dict[str, float],
     stacks: Optional[StackedSlices] = None,
 ) -> torch.Tensor:
     """
@@ -489,7 +490,7 @@ def contract_log_factors(
 
 
 def _contract_whole(
-    tensors: List[torch.Tensor], plate_scales: Dict[str, float], stacks: Optional[StackedSlices]
+    tensors: list[torch.Tensor], plate_scales: dict[str, float], stacks: Optional[StackedSlices]
 ) -> torch.Tensor:
     """:func:`contract_log_factors` of whole factors (no chunked factor left)."""
     plates = frozenset(plate_scales)
@@ -511,20 +512,20 @@ MIN_CHAIN_LENGTH = 4
 class ChainStructure(NamedTuple):
     """The factors' layout as a graph over particle dims (see :func:`chain_structure`)."""
 
-    own: List[frozenset]  # each factor's particle dims
-    plate_sets: List[frozenset]  # each factor's plate dims
-    holders: Dict[str, List[int]]  # dim -> the factors holding it
-    pairs: Dict[frozenset, List[int]]  # pair of dims -> the factors over exactly those two
-    unary: Dict[str, List[int]]  # dim -> the factors over it alone
-    sizes: Dict[str, int]  # dim -> its length
+    own: list[frozenset]  # each factor's particle dims
+    plate_sets: list[frozenset]  # each factor's plate dims
+    holders: dict[str, list[int]]  # dim -> the factors holding it
+    pairs: dict[frozenset, list[int]]  # pair of dims -> the factors over exactly those two
+    unary: dict[str, list[int]]  # dim -> the factors over it alone
+    sizes: dict[str, int]  # dim -> its length
 
 
-def chain_structure(factors: List[torch.Tensor], plates: frozenset) -> ChainStructure:
+def chain_structure(factors: list[torch.Tensor], plates: frozenset) -> ChainStructure:
     """The factors' layout as a graph over particle dims, read once for finding and reducing chains."""
     own = [frozenset(t._pyro_dims) - plates for t in factors]
-    holders: Dict[str, List[int]] = defaultdict(list)
-    pairs: Dict[frozenset, List[int]] = defaultdict(list)
-    unary: Dict[str, List[int]] = defaultdict(list)
+    holders: dict[str, list[int]] = defaultdict(list)
+    pairs: dict[frozenset, list[int]] = defaultdict(list)
+    unary: dict[str, list[int]] = defaultdict(list)
     for i, dims in enumerate(own):
         for d in dims:
             holders[d].append(i)
@@ -538,8 +539,8 @@ def chain_structure(factors: List[torch.Tensor], plates: frozenset) -> ChainStru
 
 
 def find_chains(
-    factors: List[torch.Tensor], plates: frozenset, structure: Optional[ChainStructure] = None
-) -> List[tuple]:
+    factors: list[torch.Tensor], plates: frozenset, structure: Optional[ChainStructure] = None
+) -> list[tuple]:
     """
     Chains ``z_1 - z_2 - ... - z_N`` of pairwise factors: each inner dim is held
     only by factors over it and its two neighbours, or over it alone (unary), all
@@ -582,8 +583,8 @@ def find_chains(
 
 
 def reduce_chains(
-    factors: List[torch.Tensor], plates: frozenset, stacks: Optional[StackedSlices] = None
-) -> List[torch.Tensor]:
+    factors: list[torch.Tensor], plates: frozenset, stacks: Optional[StackedSlices] = None
+) -> list[torch.Tensor]:
     """
     Contract every chain of pairwise factors (``pyro.markov`` models: z_1 - z_2 - ... - z_N)
     in O(log N) depth (:func:`find_chains`): the links are stacked, each with the
@@ -622,22 +623,22 @@ def reduce_chains(
     return [t for i, t in enumerate(factors) if i not in replaced] + products
 
 
-def _link_dims(batch: List[str], nodes: List[str], j: int) -> List[str]:
+def _link_dims(batch: list[str], nodes: list[str], j: int) -> list[str]:
     """The dims of link ``j`` of a chain over ``nodes``: its plates, then ``z_j, z_{j+1}``."""
     return batch + nodes[j : j + 2]
 
 
-def _head_dims(batch: List[str], nodes: List[str], j: int) -> List[str]:
+def _head_dims(batch: list[str], nodes: list[str], j: int) -> list[str]:
     """The dims of the unary factors that link ``j`` takes: its plates, then ``z_{j+1}``."""
     return batch + [nodes[j + 1]]
 
 
 def _gather_rows(
-    factors: List[torch.Tensor],
-    items: List[Tuple[int, int]],
+    factors: list[torch.Tensor],
+    items: list[tuple[int, int]],
     count: int,
     dims_of,
-    sizes: Dict[str, int],
+    sizes: dict[str, int],
     stacks: Optional[StackedSlices] = None,
 ) -> torch.Tensor:
     """
@@ -646,8 +647,8 @@ def _gather_rows(
     one stacked tensor with the same arrangement are taken together, by one slice of
     the stack; the rest are arranged one by one and stacked.
     """
-    by_stack: Dict[tuple, List[Tuple[int, int, torch.Tensor]]] = defaultdict(list)
-    loose: List[Tuple[int, torch.Tensor]] = []
+    by_stack: dict[tuple, list[tuple[int, int, torch.Tensor]]] = defaultdict(list)
+    loose: list[tuple[int, torch.Tensor]] = []
     for j, i in items:
         term, order = factors[i], dims_of(j)
         where = stacked_slice(term, stacks)
@@ -658,7 +659,7 @@ def _gather_rows(
         else:
             shape = [sizes[d] for d in order]
             loose.append((j, packed_view(term, order).expand(shape)))
-    parts: List[Tuple[List[int], torch.Tensor]] = []
+    parts: list[tuple[list[int], torch.Tensor]] = []
     for (_, permutation), members in by_stack.items():
         part = _take_rows(members[0][2], [index for _, index, _ in members])
         parts.append(([j for j, _, _ in members], part.permute((0,) + tuple(p + 1 for p in permutation))))
@@ -667,7 +668,7 @@ def _gather_rows(
     return _place_rows(parts, count)
 
 
-def _place_rows(parts: List[Tuple[List[int], torch.Tensor]], count: int) -> torch.Tensor:
+def _place_rows(parts: list[tuple[list[int], torch.Tensor]], count: int) -> torch.Tensor:
     """
     A tensor with ``count`` rows, the sum of ``part[k]`` placed at row ``rows[k]``
     for each ``(rows, part)``: one part covering every row in order is returned as
@@ -688,7 +689,7 @@ def _place_rows(parts: List[Tuple[List[int], torch.Tensor]], count: int) -> torc
     return total
 
 
-def _as_slice(indices: List[int]) -> Optional[slice]:
+def _as_slice(indices: list[int]) -> Optional[slice]:
     """The indices as a slice, where they step evenly upwards (the links of a chain do)."""
     step = indices[1] - indices[0] if len(indices) > 1 else 1
     if step > 0 and all(b - a == step for a, b in zip(indices, indices[1:])):
@@ -701,7 +702,7 @@ def _as_slice(indices: List[int]) -> Optional[slice]:
 # refuses constants.
 
 
-def _take_rows(stack: torch.Tensor, indices: List[int]) -> torch.Tensor:
+def _take_rows(stack: torch.Tensor, indices: list[int]) -> torch.Tensor:
     """``stack[indices]``."""
     where = _as_slice(indices)
     if where is not None:

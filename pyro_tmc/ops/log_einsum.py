@@ -45,8 +45,9 @@ import contextvars
 import functools
 import math
 import operator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -60,7 +61,7 @@ EXACT_CHUNK_ELEMENTS = 2**22
 GRAPH_REPAIR_ELEMENTS = 2**25
 
 #: while a graph is traced: the list that collects each product's "underflow happened" flag
-_DEFERRED_FLAGS: contextvars.ContextVar[Optional[List[torch.Tensor]]] = contextvars.ContextVar(
+_DEFERRED_FLAGS: contextvars.ContextVar[Optional[list[torch.Tensor]]] = contextvars.ContextVar(
     "pyro_tmc_deferred_underflow_flags", default=None
 )
 
@@ -72,7 +73,7 @@ _REPAIR_IN_GRAPH: contextvars.ContextVar[bool] = contextvars.ContextVar(
 
 #: while an eager step runs (:func:`counting_repairs`): the list that collects each matrix
 #: product's shape and how many of its entries it recomputed exactly, in order
-_REPAIR_COUNTS: contextvars.ContextVar[Optional[List[Tuple[torch.Size, int]]]] = contextvars.ContextVar(
+_REPAIR_COUNTS: contextvars.ContextVar[Optional[list[tuple[torch.Size, int]]]] = contextvars.ContextVar(
     "pyro_tmc_repair_counts", default=None
 )
 
@@ -174,7 +175,7 @@ class RepairCount(NamedTuple):
 
 
 @contextmanager
-def counting_repairs() -> Iterator[List[RepairCount]]:
+def counting_repairs() -> Iterator[list[RepairCount]]:
     """
     Within this context, each eager matrix product (:func:`log_matmul_exp`) appends a
     :class:`RepairCount` (its shape, how many of its entries it recomputed exactly, and
@@ -183,7 +184,7 @@ def counting_repairs() -> Iterator[List[RepairCount]]:
     takes a product that was clean in float32 in float32
     (``deferred_underflow_checks(repair_counts=...)``).
     """
-    counts: List[RepairCount] = []
+    counts: list[RepairCount] = []
     token = _REPAIR_COUNTS.set(counts)
     try:
         yield counts
@@ -191,7 +192,7 @@ def counting_repairs() -> Iterator[List[RepairCount]]:
         _REPAIR_COUNTS.reset(token)
 
 
-def merge_repair_counts(seen: Optional[Sequence[tuple]], new: Sequence[tuple]) -> List[RepairCount]:
+def merge_repair_counts(seen: Optional[Sequence[tuple]], new: Sequence[tuple]) -> list[RepairCount]:
     """
     What several eager runs of one step repaired, product by product: the most entries
     any of them recomputed, and clean in float32 only where every one was. One draw can
@@ -240,7 +241,7 @@ class _RepairHints:
 @contextmanager
 def deferred_underflow_checks(
     repair_in_graph: bool = False, repair_counts: Optional[Sequence[tuple]] = None
-) -> Iterator[List[torch.Tensor]]:
+) -> Iterator[list[torch.Tensor]]:
     """
     Within this context (a graph being traced, where no branch on tensor values
     can run) no product is repaired: each appends a boolean scalar tensor, set
@@ -258,7 +259,7 @@ def deferred_underflow_checks(
         (:func:`repair_capacity`) and runs at every step, with no ``torch.cond``.
         ``None``: every product gets the default size, under ``torch.cond``.
     """
-    flags: List[torch.Tensor] = []
+    flags: list[torch.Tensor] = []
     token = _DEFERRED_FLAGS.set(flags)
     repair_token = _REPAIR_IN_GRAPH.set(repair_in_graph)
     hints_token = _REPAIR_HINTS.set(None if repair_counts is None else _RepairHints(repair_counts))
@@ -279,7 +280,7 @@ def checks_deferred() -> bool:
     return _DEFERRED_FLAGS.get() is not None
 
 
-def any_flag(flags: List[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+def any_flag(flags: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
     """A boolean scalar: whether any of the flags collected by :func:`deferred_underflow_checks` is set."""
     if not flags:
         return torch.zeros((), dtype=torch.bool, device=like.device)
@@ -361,10 +362,10 @@ def _shift_to_output(shift: torch.Tensor, dims: str, output: str) -> torch.Tenso
 
 
 def _exact_einsum_entries(
-    inputs: List[str],
+    inputs: list[str],
     output: str,
     operands: Sequence[torch.Tensor],
-    sizes: Dict[str, int],
+    sizes: dict[str, int],
     index: torch.Tensor,
 ) -> torch.Tensor:
     """
@@ -396,13 +397,13 @@ def einsum(equation: str, *operands: torch.Tensor) -> torch.Tensor:
         return operands[0].clone()  # a new tensor, as the other results are
     symbols = sorted(set(equation) - set(",->"))  # torch.einsum takes letters only
     rename = dict(zip(symbols, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"))
-    sizes: Dict[str, int] = {}
+    sizes: dict[str, int] = {}
     for dims, operand in zip(inputs, operands):
         for d, size in zip(dims, operand.shape):
             sizes[d] = max(sizes.get(d, 1), size)
-    shifts: List[torch.Tensor] = []
-    own_shifts: List[torch.Tensor] = []
-    exps: List[torch.Tensor] = []
+    shifts: list[torch.Tensor] = []
+    own_shifts: list[torch.Tensor] = []
+    exps: list[torch.Tensor] = []
     for dims, operand in zip(inputs, operands):
         summed = [i for i, d in enumerate(dims) if d not in output]
         shift = operand.detach()
@@ -533,7 +534,7 @@ def _graph_log_matmul_exp(
     return value.reshape(fast.shape)
 
 
-def _graph_hint(x: torch.Tensor, y: torch.Tensor) -> Tuple[Optional[int], bool]:
+def _graph_hint(x: torch.Tensor, y: torch.Tensor) -> tuple[Optional[int], bool]:
     """
     What the eager step before the capture recorded for the product ``x @ y`` being
     traced: how many entries it repaired (``None``: no record lines up), and whether it
@@ -566,12 +567,12 @@ def repair_capacity(num_entries: int, needed: Optional[int] = None) -> int:
     return min(fitted, default) if needed <= default else fitted
 
 
-_Shapes = Tuple[torch.Size, torch.Size, torch.Size]
+_Shapes = tuple[torch.Size, torch.Size, torch.Size]
 
 
 def _entries_branch(
     capacity: int, shapes: _Shapes, x: torch.Tensor, y: torch.Tensor, fast: torch.Tensor, low: torch.Tensor
-) -> Tuple[torch.Tensor]:
+) -> tuple[torch.Tensor]:
     """
     The max-plus value of each underflowed entry (at most ``capacity``), the fast
     value elsewhere; operands and result flat, of the ``shapes`` of x, y and the
@@ -600,7 +601,7 @@ def _entries_branch(
 
 def _exact_branch(
     shapes: _Shapes, x: torch.Tensor, y: torch.Tensor, fast: torch.Tensor, low: torch.Tensor
-) -> Tuple[torch.Tensor]:
+) -> tuple[torch.Tensor]:
     """The max-plus product of every entry, flat: exact, never underflows (``K^3`` terms per matrix pair)."""
     x, y = x.reshape(shapes[0]), y.reshape(shapes[1])
     return (exact_logsumexp(x.unsqueeze(-1) + y.unsqueeze(-3), [-2]).reshape(-1),)
@@ -608,7 +609,7 @@ def _exact_branch(
 
 def _keep_branch(
     x: torch.Tensor, y: torch.Tensor, fast: torch.Tensor, low: torch.Tensor
-) -> Tuple[torch.Tensor]:
+) -> tuple[torch.Tensor]:
     return (fast.clone(),)
 
 

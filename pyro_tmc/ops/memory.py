@@ -9,11 +9,13 @@ memory (:func:`torch.cuda.mem_get_info`, plus what torch's caching allocator
 holds unused). Small factors never read it.
 """
 
+import contextlib
 import math
 import os
 import re
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Dict, Iterable, Iterator, Optional, Union
+from typing import Optional, Union
 
 import torch
 
@@ -281,14 +283,13 @@ def mark_contraction_step(error: BaseException, dims: Iterable[str]) -> None:
     innermost step: a mark already there stays), for :func:`contraction_memory_error`.
     """
     if getattr(error, STEP_DIMS, None) is None:
-        try:
+        # an exception type without a __dict__ takes no mark: no names then
+        with contextlib.suppress(AttributeError):
             setattr(error, STEP_DIMS, "".join(sorted(set(dims))))
-        except AttributeError:  # an exception type without a __dict__: no mark, no names
-            pass
 
 
 def contraction_memory_error(
-    error: RuntimeError, site: str, factor_bytes: int, owners: Optional[Dict[str, str]] = None
+    error: RuntimeError, site: str, factor_bytes: int, owners: Optional[dict[str, str]] = None
 ) -> Optional[FactorMemoryError]:
     """
     The :class:`FactorMemoryError` for torch's out-of-memory ``error`` raised while

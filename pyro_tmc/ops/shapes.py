@@ -1,6 +1,6 @@
 """Shape arithmetic on the host (cheaper than torch's for a site's few dims), and the shapes of a site."""
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -19,7 +19,7 @@ factor holds two latents on one dim (:func:`check_replayed_dim`).
 """
 
 from dataclasses import dataclass
-from typing import Dict, FrozenSet, List, Optional
+from typing import Optional
 
 from pyro.poutine.runtime import Message
 
@@ -50,10 +50,10 @@ class ChainDims:
         (``x_unconstrained`` for ``x``, whose Delta value carries its particles).
     """
 
-    dims: Dict[str, int]
+    dims: dict[str, int]
 
     @property
-    def band(self) -> FrozenSet[int]:
+    def band(self) -> frozenset[int]:
         """Every dim the plan hands out: the allocator gives them to no other site."""
         return frozenset(self.dims.values())
 
@@ -66,7 +66,7 @@ class ChainDims:
             return self.dims.get(name[: -len(AUXILIARY_SUFFIX)])
         return None
 
-    def check_reads(self, msg: Message, holders: Dict[int, List[str]]) -> None:
+    def check_reads(self, msg: Message, holders: dict[int, list[str]]) -> None:
         """
         :param holders: dim -> the guide sites that have held it so far, in order.
         :raises ChainDimsConflict: where the site's distribution varies along a
@@ -93,7 +93,7 @@ class ChainDims:
                 )
 
 
-def check_replayed_dims(msg: Message, value_ids: Dict[int, int], param_dims: Dict[int, int]) -> None:
+def check_replayed_dims(msg: Message, value_ids: dict[int, int], param_dims: dict[int, int]) -> None:
     """
     :param value_ids: dim -> id of the dims the replayed value varies along, as
         the guide's run labelled them.

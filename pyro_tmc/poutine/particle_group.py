@@ -1,7 +1,8 @@
 """The ``particle_group`` handler: put every sample site inside it in one particle group."""
 
 import functools
-from typing import Callable, Collection, Optional, Union
+from collections.abc import Collection
+from typing import Callable, Optional, Union
 
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.runtime import Message

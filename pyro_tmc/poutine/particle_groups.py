@@ -27,7 +27,7 @@ Reference: Heap, T., et al. (2023) "Massively parallel reweighted wake-sleep", U
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Optional
 
 import torch
 from torch.distributions import Distribution
@@ -126,7 +126,7 @@ def check_not_summed_exactly(msg) -> None:
         )
 
 
-def check_model_agrees(name: str, model_group: str, msg, groups: Dict[str, ParticleGroup]) -> None:
+def check_model_agrees(name: str, model_group: str, msg, groups: dict[str, ParticleGroup]) -> None:
     """
     A latent whose particles the guide draws joins a group on the guide's side. Where
     the model's site asks for a group, the guide must have drawn it there.
@@ -160,10 +160,10 @@ def draw_member_particles(
     fn: Distribution,
     num_samples: int,
     strategy: ProposalStrategy,
-    parent_dims: Tuple[int, ...],
+    parent_dims: tuple[int, ...],
     group: ParticleGroup,
     first: bool,
-) -> Tuple[torch.Tensor, ParticleDraw]:
+) -> tuple[torch.Tensor, ParticleDraw]:
     """
     Draw a member's particles on its group's dim.
 
@@ -185,7 +185,7 @@ def draw_member_particles(
     )
 
 
-def particle_groups_of(trace: Trace) -> Dict[str, ParticleGroup]:
+def particle_groups_of(trace: Trace) -> dict[str, ParticleGroup]:
     """
     The particle groups of a drawn trace (the guide's), by name: what a run that
     replays it (the model) continues, so that its own latents in a group (latents

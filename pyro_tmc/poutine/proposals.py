@@ -29,7 +29,7 @@ of a particle given all upstream particles) and decorate it with
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple, Type
+from typing import Callable, Optional
 
 import torch
 from torch.distributions import (
@@ -46,7 +46,7 @@ from pyro_tmc.ops import log_density
 from pyro_tmc.poutine.sites import particle_draw
 
 #: name -> proposal strategy class
-PROPOSALS: Dict[str, Type["ProposalStrategy"]] = {}
+PROPOSALS: dict[str, type["ProposalStrategy"]] = {}
 
 
 def register_proposal(name: str) -> Callable[[type], type]:
@@ -88,7 +88,7 @@ class ProposalStrategy:
     #: whether every upstream latent must have as many particles as this site
     needs_equal_num_samples = False
 
-    def choose(self, num_parent: int, shape: Tuple[int, ...], device) -> torch.Tensor:
+    def choose(self, num_parent: int, shape: tuple[int, ...], device) -> torch.Tensor:
         """Ancestor indices (into a parent's ``num_parent`` particles) of the given shape, K leftmost."""
         raise NotImplementedError
 
@@ -168,8 +168,8 @@ class ParticleDraw:
 
     num_samples: int
     strategy: ProposalStrategy
-    parent_dims: Tuple[int, ...]
-    ancestors: Dict[int, torch.Tensor]
+    parent_dims: tuple[int, ...]
+    ancestors: dict[int, torch.Tensor]
     target_dim: int
     #: the distribution drawn from and its ancestor-indexed copy ("thin" sampling: ``None`` where the
     #: fallback drew one particle per parent combination), reused while scoring that same distribution
@@ -188,11 +188,11 @@ class ParticleDraw:
 def choose_ancestors(
     site_name: str,
     strategy: ProposalStrategy,
-    parent_sizes: Dict[int, int],
+    parent_sizes: dict[int, int],
     num_samples: int,
     device: torch.device,
-    element_shape: Tuple[int, ...] = (),
-) -> Dict[int, torch.Tensor]:
+    element_shape: tuple[int, ...] = (),
+) -> dict[int, torch.Tensor]:
     """
     For each parent dim, the ancestor (an index into that parent's particles) of
     each of this site's ``num_samples`` particles, chosen anew for every plate
@@ -225,7 +225,7 @@ def _particle_index(num: int, target_dim: int, device) -> torch.Tensor:
 def _select_particles(
     x: torch.Tensor,
     batch_ndim: int,
-    picks: Dict[int, torch.Tensor],
+    picks: dict[int, torch.Tensor],
     target_dim: int,
 ) -> torch.Tensor:
     """
@@ -252,7 +252,7 @@ def _select_particles(
     return x[tuple(index)]
 
 
-def constructor_parameters(fn: Distribution, as_given: bool = False) -> Optional[Dict[str, torch.Tensor]]:
+def constructor_parameters(fn: Distribution, as_given: bool = False) -> Optional[dict[str, torch.Tensor]]:
     """
     The tensors that rebuild ``fn`` through its constructor, read from its own
     parameters, or ``None`` where no rule is known (the caller then falls back
@@ -286,7 +286,7 @@ def constructor_parameters(fn: Distribution, as_given: bool = False) -> Optional
 
 
 def index_parameters(
-    fn: Distribution, picks: Dict[int, torch.Tensor], target_dim: int
+    fn: Distribution, picks: dict[int, torch.Tensor], target_dim: int
 ) -> Optional[Distribution]:
     """
     A distribution whose parameters are ``fn``'s, indexed by :func:`_select_particles`,
@@ -321,9 +321,9 @@ def draw_particles(
     fn: Distribution,
     num_samples: int,
     strategy: ProposalStrategy,
-    parent_dims: Tuple[int, ...],
+    parent_dims: tuple[int, ...],
     target_dim: int,
-) -> Tuple[torch.Tensor, ParticleDraw]:
+) -> tuple[torch.Tensor, ParticleDraw]:
     """
     Draw ``num_samples`` particles of a site, placed at ``target_dim``.
 
@@ -366,7 +366,7 @@ def draw_particles(
 
 def draw_joint_particles(
     fn: Distribution, num_samples: int, target_dim: int
-) -> Tuple[torch.Tensor, ParticleDraw]:
+) -> tuple[torch.Tensor, ParticleDraw]:
     """
     Particles on the dim that every latent shares (IWAE): where the site's
     distribution already varies along it (its parents' particle k), one draw per

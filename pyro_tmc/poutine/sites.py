@@ -30,7 +30,8 @@ posterior marginal times what scales its factor from outside (:func:`source_weig
 the autodiff identity of the alan library).
 """
 
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 from torch.distributions import Independent
@@ -56,7 +57,7 @@ def is_latent(site) -> bool:
     return site["type"] == "sample" and not site["is_observed"]
 
 
-def latent_names(trace: Trace) -> List[str]:
+def latent_names(trace: Trace) -> list[str]:
     """Names of the latents (unobserved sample sites) of a trace, in the order they were drawn."""
     return [name for name, site in trace.nodes.items() if is_latent(site)]
 
@@ -155,7 +156,7 @@ def model_or_guide_site(name: str, model_trace: Trace, guide_trace: Trace):
     return guide_trace.nodes[name]
 
 
-def guide_only_sites(model_trace: Trace, guide_trace: Trace) -> List[str]:
+def guide_only_sites(model_trace: Trace, guide_trace: Trace) -> list[str]:
     """
     Guide sample sites the model lacks: auxiliary latents (AutoNormal's
     ``<name>_unconstrained``, AutoContinuous's ``_Auto..._latent``) and the
@@ -176,7 +177,7 @@ def plate_symbols(site, trace: Trace) -> frozenset:
     return frozenset(trace.plate_to_symbol[f.name] for f in site["cond_indep_stack"] if f.vectorized)
 
 
-def marginal_sources(sites: Sequence[dict]) -> Dict[str, torch.Tensor]:
+def marginal_sources(sites: Sequence[dict]) -> dict[str, torch.Tensor]:
     """
     Zero tensors, one per site over its particle dim and plates
     (:func:`~pyro_tmc.ops.shapes.particle_shape`), to be added to the sites' factors:
@@ -194,10 +195,10 @@ def marginal_sources(sites: Sequence[dict]) -> Dict[str, torch.Tensor]:
 
 
 def source_weights(
-    sources: Dict[str, torch.Tensor],
+    sources: dict[str, torch.Tensor],
     grads: Sequence[Optional[torch.Tensor]],
     carried_scale: Callable[[str], float],
-) -> Dict[str, torch.Tensor]:
+) -> dict[str, torch.Tensor]:
     """
     Each source's site's posterior marginal weights (per particle and plate
     element): ``d log P / d source``, divided by what scales the site's factor

@@ -2,7 +2,8 @@
 
 import numbers
 import warnings
-from typing import Callable, Collection, Dict, List, Optional, Set, Tuple
+from collections.abc import Collection
+from typing import Callable, Optional
 
 import torch
 
@@ -47,7 +48,7 @@ def check_num_samples(num_samples, where: str, example: str = "") -> int:
 
 
 #: Names of the sites already warned that their sequential enumeration is summed in parallel.
-_WARNED_SEQUENTIAL: Set[str] = set()
+_WARNED_SEQUENTIAL: set[str] = set()
 
 
 def check_sequential_summable(msg: Message) -> None:
@@ -179,7 +180,7 @@ class TMCMessenger(EnumMessenger):
         joint_dim: Optional[tuple] = None,
         reserved_dims: Collection[int] = (),
         particle_counts: Optional[Callable[[int], int]] = None,
-        particle_groups: Optional[Dict[str, ParticleGroup]] = None,
+        particle_groups: Optional[dict[str, ParticleGroup]] = None,
         chain_dims: Optional[ChainDims] = None,
         check_replayed_dims: bool = False,
     ) -> None:
@@ -206,22 +207,22 @@ class TMCMessenger(EnumMessenger):
         # dim -> id of the site that last placed a value there: what a site
         # outside every markov context (e.g. an observation after a markov loop)
         # can depend on.
-        self._occupants: Dict[int, int] = {}
+        self._occupants: dict[int, int] = {}
         #: the last sample site run, and particle dim -> (site, K), for error messages about user code
         self.current_site: Optional[str] = None
-        self.particle_dims: Dict[int, tuple] = {}
+        self.particle_dims: dict[int, tuple] = {}
         #: particle groups by name, and the groups that the model asks for at replayed sites
-        self.groups: Dict[str, ParticleGroup] = dict(self.initial_groups)
-        self._model_groups: Dict[str, str] = {}
+        self.groups: dict[str, ParticleGroup] = dict(self.initial_groups)
+        self._model_groups: dict[str, str] = {}
         #: under ``chain_dims``: dim -> the sites that have held it, in order
-        self._chain_holders: Dict[int, List[str]] = {}
+        self._chain_holders: dict[int, list[str]] = {}
         #: latents drawn here outside every markov context on a dim of their own (a plan could recycle)
-        self.unscoped_latents: List[str] = []
+        self.unscoped_latents: list[str] = []
         #: sample sites seen inside a pyro.markov context (the model's chain, when this runs the model)
-        self.chain_sites: Set[str] = set()
+        self.chain_sites: set[str] = set()
         return super().__enter__()
 
-    def _record_scope(self, msg: Message) -> Dict[int, int]:
+    def _record_scope(self, msg: Message) -> dict[int, int]:
         """
         The dims upstream of this site, from EnumMessenger's own markov
         bookkeeping (run on a copy of the message that it only records), plus,
@@ -294,7 +295,7 @@ class TMCMessenger(EnumMessenger):
             self.chain_dims.check_reads(msg, self._chain_holders)
         return is_delta(msg["fn"])
 
-    def _allocate(self, msg: Message, param_dims: Dict[int, int], recyclable: Optional[bool] = None):
+    def _allocate(self, msg: Message, param_dims: dict[int, int], recyclable: Optional[bool] = None):
         """
         A particle dim and id for the site. A site inside a markov context may
         reuse a dim out of its scope. A site outside every markov context gets a
@@ -318,13 +319,13 @@ class TMCMessenger(EnumMessenger):
             )
         return target_dim, id_
 
-    def _allocate_unplanned(self, msg: Message, param_dims: Dict[int, int]) -> Tuple[int, int]:
+    def _allocate_unplanned(self, msg: Message, param_dims: dict[int, int]) -> tuple[int, int]:
         """:meth:`_allocate`, recording a site outside every markov context (which a plan could serve)."""
         if msg["infer"].get("_markov_scope") is None:
             self.unscoped_latents.append(msg["name"])
         return self._allocate(msg, param_dims)
 
-    def _planned_dim(self, msg: Message, param_dims: Dict[int, int]) -> Optional[Tuple[int, int]]:
+    def _planned_dim(self, msg: Message, param_dims: dict[int, int]) -> Optional[tuple[int, int]]:
         """
         The ``(dim, id)`` that ``chain_dims`` gives a site outside every markov
         context, or ``None``. The dim's last holder leaves the site's scope (the
@@ -341,7 +342,7 @@ class TMCMessenger(EnumMessenger):
         self._chain_holders.setdefault(target_dim, []).append(msg["name"])
         return target_dim, id_
 
-    def _draw_in_group(self, msg: Message, param_dims: Dict[int, int]):
+    def _draw_in_group(self, msg: Message, param_dims: dict[int, int]):
         """
         The particles of a member of a particle group, on the group's dim: ``(dim,
         id, value)``. The first member sets the group up, on a dim that no later
@@ -402,7 +403,7 @@ class TMCMessenger(EnumMessenger):
                 if dim == own_dim or dim not in self.particle_dims:
                     self.particle_dims[dim] = (msg["name"], batch_shape[dim])
 
-    def _replayed_value_ids(self, msg: Message) -> Dict[int, int]:
+    def _replayed_value_ids(self, msg: Message) -> dict[int, int]:
         """``dim -> id`` of the dims a replayed site's value varies along, as its own run labelled them."""
         if not isinstance(msg["fn"], TorchDistributionMixin):
             return {}
@@ -413,7 +414,7 @@ class TMCMessenger(EnumMessenger):
         dim_to_id = msg["infer"].get("_dim_to_id", {})
         return {dim: id_ for dim, id_ in dim_to_id.items() if len(shape) >= -dim and shape[dim] > 1}
 
-    def _replayed_own_id(self, msg: Message) -> Dict[int, int]:
+    def _replayed_own_id(self, msg: Message) -> dict[int, int]:
         """``{particle dim: id}`` of a replayed site, as its own run labelled it (empty if it has none)."""
         own_dim = own_particle_dim(msg)
         dim_to_id = msg["infer"].get("_dim_to_id", {})
@@ -448,12 +449,12 @@ class TMCMessenger(EnumMessenger):
         )
 
     @staticmethod
-    def _parent_dims(msg: Message, param_dims: Dict[int, int]) -> tuple:
+    def _parent_dims(msg: Message, param_dims: dict[int, int]) -> tuple:
         """The upstream particle dims along which the site's distribution varies."""
         batch_shape = msg["fn"].batch_shape
         return tuple(d for d in range(-len(batch_shape), 0) if batch_shape[d] > 1 and d in param_dims)
 
-    def _draw(self, msg: Message, param_dims: Dict[int, int], target_dim: int):
+    def _draw(self, msg: Message, param_dims: dict[int, int], target_dim: int):
         num_samples = self._num_samples(msg)
         if self.particle_counts is not None:
             num_samples = self.particle_counts(target_dim)

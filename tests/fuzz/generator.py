@@ -29,7 +29,7 @@ import copy
 import itertools
 import random
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Optional
 
 DISCRETE = ("Categorical", "Bernoulli", "Binomial", "OneHotCategorical")
 CONTINUOUS = ("Normal", "Gamma", "Dirichlet")
@@ -82,10 +82,10 @@ class Site:
     name: str
     kind: str
     level: str
-    parents: List[str]
+    parents: list[str]
     treatment: str
-    numbers: Dict[str, object] = field(default_factory=dict)
-    mask: Optional[List] = None
+    numbers: dict[str, object] = field(default_factory=dict)
+    mask: Optional[list] = None
     learn: bool = False
 
     @property
@@ -101,7 +101,7 @@ class Plate:
     size: int
     dim: int
     subsample_size: Optional[int] = None
-    subsample: Optional[List[int]] = None  # explicit indices
+    subsample: Optional[list[int]] = None  # explicit indices
 
     @property
     def batch(self) -> int:
@@ -126,22 +126,22 @@ class Spec:
 
     seed: int
     family: str
-    sites: List[Site]
-    plates: List[Plate] = field(default_factory=list)
+    sites: list[Site]
+    plates: list[Plate] = field(default_factory=list)
     chain: Optional[Chain] = None
     autoguide: Optional[str] = None  # "AutoDelta" | "AutoNormal" | "AutoMultivariateNormal"
     plate_scale: Optional[float] = None  # poutine.scale shared by every site in the plates
     model_scale: Optional[float] = None  # poutine.scale around the whole model
-    factors: List[Tuple[str, str, float]] = field(default_factory=list)  # (name, parent, coef)
-    guide_factor: Optional[Tuple[str, float]] = None  # pyro.factor in the guide: (global guide latent, coef)
+    factors: list[tuple[str, str, float]] = field(default_factory=list)  # (name, parent, coef)
+    guide_factor: Optional[tuple[str, float]] = None  # pyro.factor in the guide: (global guide latent, coef)
     irrelevant: Optional[str] = None  # "prior" | "enum" | "plate": an extra latent nothing uses
-    options: Dict[str, object] = field(default_factory=dict)
-    features: List[str] = field(default_factory=list)
+    options: dict[str, object] = field(default_factory=dict)
+    features: list[str] = field(default_factory=list)
 
     def site(self, name: str) -> Site:
         return next(s for s in self.sites if s.name == name)
 
-    def latents(self) -> List[Site]:
+    def latents(self) -> list[Site]:
         return [s for s in self.sites if not s.observed]
 
     @property
@@ -158,7 +158,7 @@ def _r(rng: random.Random, low: float, high: float) -> float:
     return round(rng.uniform(low, high), 2)
 
 
-def _probs(rng: random.Random, n: int) -> List[float]:
+def _probs(rng: random.Random, n: int) -> list[float]:
     raw = [rng.uniform(0.2, 1.0) for _ in range(n)]
     total = sum(raw)
     probs = [round(v / total, 3) for v in raw]
@@ -166,10 +166,10 @@ def _probs(rng: random.Random, n: int) -> List[float]:
     return probs
 
 
-def _numbers(rng: random.Random, kind: str, stiff: bool) -> Dict[str, object]:
+def _numbers(rng: random.Random, kind: str, stiff: bool) -> dict[str, object]:
     """The constants of one site: its own parameters and those of its signal to children."""
     sd_choices = (1.0, 0.5, 0.3) if not stiff else (0.1, 0.01, 0.005, 0.003)
-    n = {
+    return {
         "bias": _r(rng, -1, 1),
         "sd": rng.choice(sd_choices),
         "coef": _r(rng, -1.5, 1.5),  # how a child reads this site (scalar sites)
@@ -189,7 +189,6 @@ def _numbers(rng: random.Random, kind: str, stiff: bool) -> Dict[str, object]:
         "gscale": round(rng.uniform(0.4, 1.5), 2),
         "gcoef": _r(rng, -0.8, 0.8),
     }
-    return n
 
 
 def _pick_kind(rng: random.Random, family: str, discrete_only: bool = False) -> str:
@@ -247,7 +246,7 @@ def draw_spec(seed: int, family: Optional[str] = None) -> Spec:
 def _draw_structure(rng: random.Random, seed: int, family: str) -> Optional[Spec]:
     tiny = family == "brute"
     stiff = family == "general" and rng.random() < 0.15
-    sites: List[Site] = []
+    sites: list[Site] = []
     spec = Spec(seed=seed, family=family, sites=sites)
 
     def add(name, level, parents, kind=None, discrete_only=False, treatment=None):
@@ -635,10 +634,12 @@ def _fix_invalid(spec: Spec) -> None:
             site.treatment = "delta" if spec.family == "enum" else "guide"
     if not any(s.treatment == "auto" for s in spec.latents()):
         spec.autoguide = None
-    if spec.family == "enum" and spec.plate_scale is not None:
-        # TraceEnum_ELBO needs one scale for all enumerated sites
-        if any(s.treatment in ("enum", "genum") and s.level in ("global", "chain") for s in spec.latents()):
-            spec.plate_scale = None
+    # TraceEnum_ELBO needs one scale for all enumerated sites
+    enumerated_outside_plates = any(
+        s.treatment in ("enum", "genum") and s.level in ("global", "chain") for s in spec.latents()
+    )
+    if spec.family == "enum" and spec.plate_scale is not None and enumerated_outside_plates:
+        spec.plate_scale = None
 
 
 def _num_combinations(spec: Spec) -> int:
@@ -743,7 +744,7 @@ def _t(value) -> str:
 
 class _Lines:
     def __init__(self):
-        self.lines: List[str] = []
+        self.lines: list[str] = []
 
     def add(self, depth: int, text: str) -> None:
         self.lines.append("    " * depth + text)
@@ -760,7 +761,7 @@ def _index(spec: Spec, level: str) -> str:
     return ""
 
 
-def _plate_shape(spec: Spec, level: str) -> List[int]:
+def _plate_shape(spec: Spec, level: str) -> list[int]:
     if level == "inner" and len(spec.plates) == 2:
         return [spec.plates[0].size, spec.plates[1].size]
     if level == "inner":
@@ -1112,7 +1113,7 @@ def _guide_line(spec: Spec, site: Site) -> str:
     return f'{site.name} = pyro.sample("{site.name}", {_guide_dist(spec, site)}{_infer(site, spec, "guide")})'
 
 
-def guide_sites(spec: Spec) -> List[Site]:
+def guide_sites(spec: Spec) -> list[Site]:
     """The latents the hand-written guide samples (AutoGuide sites are the AutoGuide's)."""
     return [s for s in spec.latents() if s.treatment in ("guide", "nonfact", "delta", "genum")]
 
@@ -1216,9 +1217,9 @@ class Case:
     def source(self) -> str:
         return render(self.spec)
 
-    def build(self) -> Tuple[object, object]:
+    def build(self) -> tuple[object, object]:
         """``(model, guide)``: a fresh guide each call (AutoGuides hold their own state)."""
-        namespace: Dict[str, object] = {}
+        namespace: dict[str, object] = {}
         exec(compile(self.source, f"<fuzz case {self.seed}>", "exec"), namespace)
         guide = namespace["make_guide"]() if "make_guide" in namespace else namespace["guide"]
         return namespace["model"], guide

@@ -6,7 +6,8 @@ steps; fewer particles), keep the first that still fails the same way, and repea
 """
 
 import copy
-from typing import Callable, Iterator, List, Optional
+from collections.abc import Iterator
+from typing import Callable, Optional
 
 from .generator import Case, Spec, features_of
 from .oracles import Check, check_case
@@ -77,7 +78,7 @@ def _simplifications(spec: Spec) -> Iterator[Callable[[Spec], None]]:
         yield lambda s: s.options.__setitem__("num_samples", s.options["num_samples"] - 1)
 
 
-def minimize(case: Case, check: Check, oracles: Optional[List[str]] = None, max_steps: int = 200) -> Case:
+def minimize(case: Case, check: Check, oracles: Optional[list[str]] = None, max_steps: int = 200) -> Case:
     """
     The smallest case (greedily) that still fails as ``check`` did.
 

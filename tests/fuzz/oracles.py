@@ -25,7 +25,7 @@ import itertools
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributions.dirichlet as torch_dirichlet
@@ -198,7 +198,7 @@ def _option_elbo(spec: Spec, option: str):
     return tmc_elbo(spec, variance_reduction=option)
 
 
-def enum_oracle(case: Case, options=None) -> List[Check]:
+def enum_oracle(case: Case, options=None) -> list[Check]:
     """TMC equals TraceEnum_ELBO (value, gradients, marginals) when every latent is enumerated or a Delta."""
     spec = case.spec
     if spec.family not in ("enum",):
@@ -243,7 +243,7 @@ def enum_oracle(case: Case, options=None) -> List[Check]:
     return checks
 
 
-def _enum_marginal_checks(case: Case, oracle_case: Case, enum) -> List[Check]:
+def _enum_marginal_checks(case: Case, oracle_case: Case, enum) -> list[Check]:
     spec = case.spec
     names = [s.name for s in spec.latents() if s.treatment == "enum" and s.level != "chain"]
     names = [n for n in names if spec.site(n).kind in ("Categorical", "Bernoulli")]
@@ -293,7 +293,7 @@ def _empirical_support_probs(empirical, num_values: int) -> torch.Tensor:
 # --------------------------------------------------------------------------- #
 
 
-def _site_names(spec: Spec, site) -> List[str]:
+def _site_names(spec: Spec, site) -> list[str]:
     if site.level == "chain":
         return [f"{site.name}_{t}" for t in range(spec.chain.length)]
     return [site.name]
@@ -437,7 +437,7 @@ def _log_weights(case: Case, conditioned: dict, kinds: dict, mpn: int, count: in
     return total
 
 
-def brute_force_oracle(case: Case) -> List[Check]:
+def brute_force_oracle(case: Case) -> list[Check]:
     """log P_TMC (and IWAE) of one draw, and its marginal weights, against the list of all combinations."""
     spec = case.spec
     if spec.family != "brute":
@@ -469,7 +469,7 @@ def brute_force_oracle(case: Case) -> List[Check]:
     return checks
 
 
-def _brute_marginal_checks(draw, expected: Dict[str, torch.Tensor]) -> List[Check]:
+def _brute_marginal_checks(draw, expected: dict[str, torch.Tensor]) -> list[Check]:
     try:
         with quiet():
             got = draw.marginals()
@@ -491,7 +491,7 @@ def _brute_marginal_checks(draw, expected: Dict[str, torch.Tensor]) -> List[Chec
 NUM_POSTERIOR_DRAWS = 2000
 
 
-def _posterior_draw_checks(draw, truth: dict) -> List[Check]:
+def _posterior_draw_checks(draw, truth: dict) -> list[Check]:
     """``sample_posterior``'s draws of each site's particles have the frequencies of its exact marginals."""
     try:
         with quiet(), torch.no_grad():
@@ -538,7 +538,7 @@ def twin_of(case: Case) -> Case:
     return twin
 
 
-def twin_oracle(case: Case) -> List[Check]:
+def twin_oracle(case: Case) -> list[Check]:
     """A subsampled or scaled plate against the full plate holding the same datum in each element."""
     spec = case.spec
     if spec.family != "twin":
@@ -639,7 +639,7 @@ def default_dtype(dtype):
         torch.set_default_dtype(saved)
 
 
-def dtype_oracle(case: Case, rtol: float = 1e-3) -> List[Check]:
+def dtype_oracle(case: Case, rtol: float = 1e-3) -> list[Check]:
     """float32 and float64 give the same value on the same particles."""
     spec = case.spec
     values = {}
@@ -680,7 +680,7 @@ def _later_prior_sites(spec: Spec) -> bool:
     return any(s.treatment == "prior" and s.level in ("chain", "after") for s in spec.sites)
 
 
-def invariance_oracle(case: Case, which=None) -> List[Check]:
+def invariance_oracle(case: Case, which=None) -> list[Check]:
     """The value of one draw (same seed) under options and rewritings that must not change it."""
     spec = case.spec
     try:
@@ -768,7 +768,7 @@ def invariance_oracle(case: Case, which=None) -> List[Check]:
 SMALLEST_BUDGET = 8
 
 
-def _grads_differ(grads: Dict[str, torch.Tensor], expected: Dict[str, torch.Tensor]) -> Optional[str]:
+def _grads_differ(grads: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> Optional[str]:
     """The name of the first parameter whose gradient differs from the expected one, if any."""
     for name in sorted(set(grads) | set(expected)):
         want = expected.get(name)
@@ -781,7 +781,7 @@ def _grads_differ(grads: Dict[str, torch.Tensor], expected: Dict[str, torch.Tens
     return None
 
 
-def budget_oracle(case: Case) -> List[Check]:
+def budget_oracle(case: Case) -> list[Check]:
     """
     Under tiny budgets (the case's ``max_factor_bytes`` and :data:`SMALLEST_BUDGET`) the value
     and gradients equal those of the same draws without a budget (``max_factor_bytes=None``):
@@ -830,7 +830,7 @@ def budget_oracle(case: Case) -> List[Check]:
 # --------------------------------------------------------------------------- #
 
 
-def readout_oracle(case: Case) -> List[Check]:
+def readout_oracle(case: Case) -> list[Check]:
     """Marginal weights sum to one per plate element; posterior draws have the plates' shapes."""
     spec = case.spec
     model, guide = fresh(case)
@@ -972,7 +972,7 @@ def _observed_values(spec: Spec) -> dict:
                 out[(site.name, (t,))] = data[t].item()
             continue
         data = namespace[f"X_{site.name.upper()}"]
-        if site.level == "global" or site.level == "after":
+        if site.level in {"global", "after"}:
             out[(site.name, ())] = data.item()
             continue
         shape = _plate_shape(spec, site.level)
@@ -982,7 +982,7 @@ def _observed_values(spec: Spec) -> dict:
     return out
 
 
-def unbiasedness_oracle(case: Case, draws: int = 300) -> List[Check]:
+def unbiasedness_oracle(case: Case, draws: int = 300) -> list[Check]:
     """The mean of P_TMC / p(x) over independent draws is 1 within 5 measured standard errors."""
     spec = case.spec
     if spec.family != "gauss":
@@ -1056,7 +1056,7 @@ CAPTURED_OPTIONS = {
 }
 
 
-def captured_oracle(case: Case, compile: str = "graph") -> List[Check]:
+def captured_oracle(case: Case, compile: str = "graph") -> list[Check]:
     """
     The captured whole step (``compile="graph"``, rolled however small) replayed from one
     RNG state equals the eager step from that state: value and gradients. A step that
@@ -1080,7 +1080,7 @@ def captured_oracle(case: Case, compile: str = "graph") -> List[Check]:
     return checks
 
 
-def _captured_checks(case: Case, compile: str) -> List[Check]:
+def _captured_checks(case: Case, compile: str) -> list[Check]:
     """:func:`captured_oracle`'s checks in the current default dtype."""
     spec = case.spec
     name = CAPTURED_LOSSES[spec.seed % len(CAPTURED_LOSSES)]
@@ -1103,7 +1103,7 @@ def _captured_checks(case: Case, compile: str) -> List[Check]:
         try:
             loss.loss_and_grads(model, guide, data)  # captured
             store = pyro.get_param_store()
-            params = {key: store.get_param(key).unconstrained() for key in store.keys()}
+            params = {key: store.get_param(key).unconstrained() for key in store}
             state = torch.get_rng_state()
             replayed = _step(lambda: loss.loss_and_grads(model, guide, data), params)
         except Exception as error:  # noqa: BLE001
@@ -1136,12 +1136,12 @@ def _compiled(loss) -> bool:
     return all(step.uncompiled is not None for step in loss.step_program._steps.values() if step.program)
 
 
-def inductor_oracle(case: Case) -> List[Check]:
+def inductor_oracle(case: Case) -> list[Check]:
     """:func:`captured_oracle` with the step compiled by inductor (seconds a case: not in CI's sweep)."""
     return captured_oracle(case, compile="inductor")
 
 
-ORACLES: Dict[str, Callable] = {
+ORACLES: dict[str, Callable] = {
     "enum": enum_oracle,
     "brute": brute_force_oracle,
     "twin": twin_oracle,
@@ -1165,7 +1165,7 @@ FAMILY_ORACLES = {
 }
 
 
-def check_case(case: Case, oracles=None) -> List[Check]:
+def check_case(case: Case, oracles=None) -> list[Check]:
     """Every applicable oracle's checks on a case; a crash of the library counts as a failed check."""
     names = oracles or FAMILY_ORACLES[case.spec.family]
     checks = []

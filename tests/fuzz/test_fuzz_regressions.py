@@ -73,9 +73,8 @@ def _nested_model(size):
 
 def _nested_guide(size):
     pyro.sample("g", dist.Normal(0.0, 1.0))
-    with pyro.plate("outer", size, dim=-2):
-        with pyro.plate("inner", 2, dim=-1):
-            pyro.sample("w", dist.Normal(0.0, 1.0))
+    with pyro.plate("outer", size, dim=-2), pyro.plate("inner", 2, dim=-1):
+        pyro.sample("w", dist.Normal(0.0, 1.0))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
