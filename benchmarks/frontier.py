@@ -16,7 +16,7 @@ Cases (each timed as one forward + backward step):
    own column);
 2. the Gaussian random-walk chain of the paper's Fig. 4 written with ``pyro.markov``
    (``z_i ~ N(z_{i-1}, 1/N)``, ``x ~ N(z_N, 1)``, a factorised guide with a learnable
-   loc / log-scale per step, as ``tests/models.py``), N=100 and N=1000, K=32:
+   loc / log-scale per step, as ``tests/common/models.py``), N=100 and N=1000, K=32:
    ``pyro_tmc.TMC_ELBO``; a hand-written sequential TMC (a forward loop of K x K
    log-matmul-exp messages); a hand-written log-depth contraction (a balanced tree of
    batched log-matmul-exp over the stacked (N-1, K, K) factors), in float32 as written
@@ -67,7 +67,7 @@ from pyro_tmc import TMC_ELBO  # noqa: E402
 PYRO_TMC = "pyro_tmc TMC_ELBO"
 #: relative tolerance between the sequential and the tree contraction on the same particles
 TREE_RTOL = 1e-4
-#: the chain's observation, as tests/models.py's CHAIN_X
+#: the chain's observation, as tests/common/models.py's CHAIN_X
 CHAIN_X = 1.0
 
 
@@ -110,7 +110,7 @@ def device_name(device: str) -> str:
     return platform.processor() or "unknown CPU"
 
 
-# -- the chain of the paper's Fig. 4 (as tests/models.py), with a learnable guide ---
+# -- the chain of the paper's Fig. 4 (as tests/common/models.py), with a learnable guide ---
 
 
 def chain_model(x, N):

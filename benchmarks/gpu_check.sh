@@ -10,8 +10,8 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-results/gpu}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, pyro; print('torch', torch.__version__, 'pyro', pyro.__version__)" | tee -a "$OUT/gpu.txt"
-timeout 200 python3 -m pytest -q -p no:cacheprovider -k cuda tests/test_tmc_elbo.py tests/test_tmc_ground_truth.py \
-    tests/test_compiled.py tests/test_captured_step.py tests/test_loop_rolling.py 2>&1 | tee "$OUT/cuda_tests.txt"
+timeout 200 python3 -m pytest -q -p no:cacheprovider -k cuda tests/infer/test_tmc_elbo.py tests/infer/test_tmc_ground_truth.py \
+    tests/compile/test_compiled.py tests/compile/test_captured_step.py tests/compile/test_loop_rolling.py 2>&1 | tee "$OUT/cuda_tests.txt"
 # 2026-11-27 on an H200 the CUDA tests needed more than 130 s; the frontier below took about 300 s.
 # The GPU targets first, one case at a time (the table is rewritten after each): the toy N=128 K=8
 # ("overhead"), the N=100 chain, the other toys, then the N=1000 chain, whose inductor compile

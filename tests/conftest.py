@@ -1,4 +1,4 @@
-"""Fixtures shared by the tests. The tests' models and oracles live in tests/models.py, not in
+"""Fixtures shared by the tests. The tests' models and oracles live in tests/common/models.py, not in
 pyro_tmc.experiments: the tests check the package against code of their own."""
 
 import pytest
@@ -6,10 +6,7 @@ import torch
 
 import pyro
 
-try:
-    from . import models
-except ImportError:  # tests/ is not a package: pytest puts it on sys.path
-    import models
+from tests.common import models
 
 
 @pytest.fixture

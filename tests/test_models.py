@@ -1,4 +1,4 @@
-"""Self-checks of the analytic ground truths in ``tests/models.py`` (no pyro_tmc needed).
+"""Self-checks of the analytic ground truths in ``tests/common/models.py`` (no pyro_tmc needed).
 
 Each exact ``log p(x)`` is computed two independent ways (generic DAG covariance vs. a
 closed form, 1-D quadrature or plain Monte Carlo), so the targets of the statistical
@@ -11,10 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-try:
-    from . import models as M
-except ImportError:
-    import models as M
+from tests.common import models as M
 
 _trapezoid = getattr(np, "trapezoid", None) or np.trapz
 

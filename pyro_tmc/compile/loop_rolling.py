@@ -122,7 +122,7 @@ def _is_random(node: Node) -> bool:
 def _draws_exactly_at_once(node: Node) -> bool:
     """
     Whether stacking this draw with the draws like it that follow it gives the numbers
-    they draw one by one (:data:`NORMAL_DRAWS`; ``tests/test_loop_rolling.py`` checks it).
+    they draw one by one (:data:`NORMAL_DRAWS`; ``tests/compile/test_loop_rolling.py`` checks it).
     """
     value = _value(node)
     return (

@@ -32,7 +32,7 @@ with R times less variance. Two cases:
   ``L_r = -(N/B) sum_{i in batch_r} log P_TMC,i`` is a sum over data points, so
   ``E[g]`` is also the full-batch gradient, and for the same particles ``g``
   equals the gradient of one process with batch R * B exactly.
-  ``tests/test_distributed.py`` checks the expectation statistically.
+  ``tests/contrib/test_distributed.py`` checks the expectation statistically.
 - A latent outside the data plate (global, drawn K times): ``log P_TMC`` is a
   ``log sum_k exp((N/B) ...)`` over the global particles, not a sum over data
   points, so the subsampled loss, distributed or not, is not an unbiased

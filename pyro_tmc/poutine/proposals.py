@@ -440,7 +440,7 @@ def stops_proposal_density(q_site, own_prior: bool, detach_guide: bool) -> bool:
     - a model latent drawn from its own conditional (``own_prior``) that is not
       reparameterised. DiCE: ``p / stop(p)`` has the score-function gradient of
       the importance weight, so the model's parameters get an unbiased gradient of
-      ``p(x)`` through the draw (``tests/test_tmc_elbo.py``);
+      ``p(x)`` through the draw (``tests/infer/test_tmc_elbo.py``);
     - a guide latent where the caller stops the guide's density (``detach_guide``:
       the path-gradient and wake-sleep estimators take the guide's gradient elsewhere).
 

@@ -799,7 +799,7 @@ def test_shape_error_hint(model, guide, error_type, names):
 
 # ---------------------------------------------------------------------------
 # 12. Sequential enumeration (summed in parallel) and pyro.poutine.collapse:
-#     tests/test_pyro_features.py.
+#     tests/infer/test_pyro_features.py.
 # ---------------------------------------------------------------------------
 
 

@@ -8,7 +8,6 @@ standard errors); the packed dims of the factors for the memory claim.
 
 import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from pyro.infer.autoguide import AutoNormal
 import pyro_tmc
 from pyro_tmc import IWAE_ELBO, TMC_ELBO
 from pyro_tmc.poutine import particle_group
+from tests.common import REPO_ROOT
 
 X = torch.tensor([0.9, -0.4, 1.7], dtype=torch.float64)
 
@@ -345,7 +345,7 @@ def test_error_on_a_group_not_named_by_a_string():
 def test_radon_at_k30_runs_with_its_state_latents_grouped(fresh_pyro):
     """alan's radon model, AutoNormal's four per-state auxiliary sites in one group: at K=30 the
     observation factor has one particle dim (30 x 600 elements, not 30^4 x 600)."""
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "particle_groups.py"
+    script = REPO_ROOT / "benchmarks" / "particle_groups.py"
     spec = importlib.util.spec_from_file_location("particle_groups_benchmark", script)
     benchmark = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(benchmark)

@@ -17,17 +17,13 @@ import pyro.distributions as dist
 
 from pyro_tmc import QEM, QEMGuide
 from pyro_tmc.infer.qem import MarkovLoop, markov_blocks
-
-try:
-    from .models import (
-        gaussian_posterior,
-        linear_gaussian_moments,
-        toy_data,
-        toy_model,
-        toy_posterior_moments,
-    )
-except ImportError:
-    from models import gaussian_posterior, linear_gaussian_moments, toy_data, toy_model, toy_posterior_moments
+from tests.common.models import (
+    gaussian_posterior,
+    linear_gaussian_moments,
+    toy_data,
+    toy_model,
+    toy_posterior_moments,
+)
 
 
 def _run(model, guide, data, steps, average_from, num_samples=64, lr=0.1, max_plate_nesting=1, read=None):

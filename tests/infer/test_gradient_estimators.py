@@ -12,11 +12,7 @@ from pyro.infer import RenyiELBO
 
 from pyro_tmc import IWAE_ELBO, TMC_ELBO
 from pyro_tmc.experiments.smc import smc_log_evidence
-
-try:
-    from .models import toy_guide, toy_log_px, toy_model
-except ImportError:
-    from models import toy_guide, toy_log_px, toy_model
+from tests.common.models import toy_guide, toy_log_px, toy_model
 
 # ---------------------------------------------------------------------------
 # Small models with factorised Gaussian guides, written twice: as Pyro programs,

@@ -13,93 +13,13 @@ import torch
 
 import pyro
 import pyro.distributions as dist
-from pyro import poutine
 from pyro.infer import SVI
 from pyro.infer.autoguide import AutoIAFNormal, AutoNormal
 
 from pyro_tmc import IWAE_ELBO, TMC_ELBO, TMC_RWS
+from tests.common.compile_cases import DoubleGrad, cases, toy_guide, toy_model
 
-try:
-    from . import pyro_style_models as M
-except ImportError:  # tests/ is not a package: pytest puts it on sys.path
-    import pyro_style_models as M
-
-
-# -- models with learnable guides ------------------------------------------------
-
-
-def toy_model(x):
-    theta = pyro.sample("theta", dist.Normal(x.new_zeros(()), 1.0))
-    with pyro.plate("data", x.shape[-1], dim=-1):
-        z = pyro.sample("z", dist.Normal(theta, 1.0))
-        pyro.sample("x", dist.Normal(z, 1.0), obs=x)
-
-
-def toy_guide(x):
-    loc = pyro.param("loc", lambda: x.new_tensor([0.3, -0.2]))
-    log_scale = pyro.param("log_scale", lambda: x.new_tensor([0.1, 0.4]))
-    pyro.sample("theta", dist.Normal(loc[0], log_scale[0].exp()))
-    with pyro.plate("data", x.shape[-1], dim=-1):
-        pyro.sample("z", dist.Normal(loc[1], log_scale[1].exp()))
-
-
-def chain_model(x, N):
-    z = x.new_zeros(())
-    for i in pyro.markov(range(1, N + 1)):
-        z = pyro.sample(f"z_{i}", dist.Normal(z, math.sqrt(1.0 / N)))
-    pyro.sample("x", dist.Normal(z, 1.0), obs=x)
-
-
-def chain_guide(x, N):
-    loc = pyro.param("chain_loc", lambda: 0.1 * torch.arange(N, dtype=x.dtype))
-    log_scale = pyro.param("chain_log_scale", lambda: -0.5 * torch.ones(N, dtype=x.dtype))
-    for i in pyro.markov(range(1, N + 1)):
-        pyro.sample(f"z_{i}", dist.Normal(loc[i - 1], log_scale[i - 1].exp()))
-
-
-def nonfactorised_guide(x):
-    """z depends on theta's particles: a mixture proposal over theta's particles."""
-    scale = pyro.param("nf_scale", lambda: x.new_tensor(0.8), constraint=dist.constraints.positive)
-    theta = pyro.sample("theta", dist.Normal(x.new_zeros(()), scale))
-    with pyro.plate("data", x.shape[-1], dim=-1):
-        pyro.sample("z", dist.Normal(0.5 * theta, 1.2))
-
-
-def masked_subsampled_model(x):
-    theta = pyro.sample("theta", dist.Normal(x.new_zeros(()), 1.0))
-    mask = torch.arange(x.shape[-1]) % 3 != 0
-    with pyro.plate("data", 20, subsample=torch.arange(x.shape[-1]), dim=-1):
-        z = pyro.sample("z", dist.Normal(theta, 1.0))
-        with poutine.mask(mask=mask):
-            pyro.sample("x", dist.Normal(z, 1.0), obs=x)
-
-
-def lognormal_model(x):
-    sigma = pyro.sample("sigma", dist.LogNormal(0.0, 0.5))
-    with pyro.plate("data", x.shape[-1], dim=-1):
-        pyro.sample("x", dist.Normal(0.0, sigma), obs=x)
-
-
-def _hmm_case():
-    pyro.set_rng_seed(3)
-    data = torch.randint(4, (3, 9))
-    guide = M.globals_guide(M.categorical_hmm, {"init", "trans", "emit"})
-    return M.categorical_hmm, guide, (data,), 1
-
-
-def _cases():
-    x = torch.randn(6)
-    return {
-        "toy": (toy_model, toy_guide, (x,), 1),
-        "chain_log_depth": (chain_model, chain_guide, (torch.tensor(0.7), 12), 0),
-        "non_factorised": (toy_model, nonfactorised_guide, (x,), 1),
-        "mask_and_subsample": (masked_subsampled_model, toy_guide, (x,), 1),
-        "autonormal": (lognormal_model, AutoNormal(lognormal_model), (x,), 1),
-        "hmm_autodelta": _hmm_case(),
-    }
-
-
-CASES = list(_cases())
+CASES = list(cases())
 
 
 def _loss_and_grads(loss, model, guide, args, seed):
@@ -125,7 +45,7 @@ def _assert_same(eager, program, rtol=1e-5):
 
 def _run_both(case, mode="graph", make_loss=TMC_ELBO, **loss_kwargs):
     pyro.clear_param_store()
-    model, guide, args, nesting = _cases()[case]
+    model, guide, args, nesting = cases()[case]
     eager_loss = make_loss(num_samples=4, max_plate_nesting=nesting, **loss_kwargs)
     program_loss = make_loss(num_samples=4, max_plate_nesting=nesting, compile=mode, **loss_kwargs)
     _loss_and_grads(eager_loss, model, guide, args, 0)  # create the params
@@ -415,19 +335,9 @@ def test_all_underflow_slice_keeps_a_zero_gradient():
     assert found_infinite_slice
 
 
-class _DoubleGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return 2 * grad
-
-
 class CustomBackwardNormal(dist.Normal):
     def log_prob(self, value):
-        return _DoubleGrad.apply(super().log_prob(value))
+        return DoubleGrad.apply(super().log_prob(value))
 
 
 def test_custom_autograd_function_falls_back():
@@ -441,7 +351,7 @@ def test_custom_autograd_function_falls_back():
     guide = AutoNormal(model)
     eager, program = TMC_ELBO(4, 1), TMC_ELBO(4, 1, compile="graph")
     _loss_and_grads(eager, model, guide, (x,), 0)
-    with pytest.warns(RuntimeWarning, match="custom autograd.Function _DoubleGrad"):
+    with pytest.warns(RuntimeWarning, match="custom autograd.Function DoubleGrad"):
         result = _loss_and_grads(program, model, guide, (x,), 1)
     _assert_same(_loss_and_grads(eager, model, guide, (x,), 1), result)
 

@@ -33,11 +33,7 @@ from pyro.infer.autoguide import (
 )
 
 from pyro_tmc import TMC_ELBO
-
-try:
-    from . import pyro_style_models as M
-except ImportError:
-    import pyro_style_models as M
+from tests.common import pyro_style_models as M
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -1,6 +1,6 @@
 """Statistical ground-truth tests of ``pyro_tmc.TMC_ELBO`` on linear-Gaussian models.
 
-Every target below is exact (``tests/models.py`` computes ``log p(x)`` from the joint
+Every target below is exact (``tests/common/models.py`` computes ``log p(x)`` from the joint
 covariance).  Each test draws R independent estimates ``log P_TMC`` and measures its
 own standard error (SE); tolerances are ``4 * SE`` (a 4-sigma band: a correct
 implementation fails with probability < 1e-4 per assertion, and the seeds are fixed)
@@ -15,7 +15,7 @@ of a hand-written reference estimator (r is right-skewed, so a few hundred draws
 underestimate its SE); simulated with the references, this check had no false alarm
 in 3000 runs per configuration (and 3-SE excursions at the normal rate, ~0.3%).
 
-Calibration (hand-written references in ``tests/models.py``, float64) of what a correct
+Calibration (hand-written references in ``tests/common/models.py``, float64) of what a correct
 TMC gives, ``log p - E[log P]`` (sd of log P):
   toy N=128:  K=4: 22.7 (9.3), K=16: 3.5 (2.9), K=64: 1.0 (1.3); IWAE: 158, 133, 115.
   chain N=100, K=4: factorised 213 (60), prior+mixture 0.23 (0.93),
@@ -34,11 +34,7 @@ import pyro
 import pyro.infer
 
 from pyro_tmc import TMC_ELBO
-
-try:  # works whether or not tests/ is a package
-    from . import models as M
-except ImportError:
-    import models as M
+from tests.common import models as M
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
 

@@ -13,11 +13,7 @@ from pyro.infer import SVI, Predictive, TraceEnum_ELBO
 
 from pyro_tmc import TMC_ELBO, TMC_RWS
 from pyro_tmc.infer import posterior
-
-try:
-    from .models import toy_guide, toy_model, toy_posterior_moments
-except ImportError:
-    from models import toy_guide, toy_model, toy_posterior_moments
+from tests.common.models import toy_guide, toy_model, toy_posterior_moments
 
 
 def _moments(marginals):
@@ -28,7 +24,7 @@ def _moments(marginals):
 
 def test_gaussian_posterior_moments_converge(toy_x):
     """
-    Toy model, N = 8 (tests/models.py's data), 20 independent draws at each K. Measured (seed 0):
+    Toy model, N = 8 (tests/common/models.py's data), 20 independent draws at each K. Measured (seed 0):
     RMS error of the posterior means 0.21 at K = 16 and 0.07 at K = 128; of the variances 0.18 and 0.06.
     We assert the K = 128 means agree with the truth within 4 standard errors over draws
     plus 0.03 for the self-normalised estimator's O(1/K) bias, and that errors shrink with K.

@@ -23,13 +23,15 @@ from pyro_tmc.compile.forward_trace import (
     derive_backward,
     runs_without_grad,
 )
-
-try:
-    from .test_captured_step import _assert_same, _replay_and_eager
-    from .test_compiled import _DoubleGrad, chain_guide, chain_model, toy_guide, toy_model
-except ImportError:  # tests/ is not a package: pytest puts it on sys.path
-    from test_captured_step import _assert_same, _replay_and_eager
-    from test_compiled import _DoubleGrad, chain_guide, chain_model, toy_guide, toy_model
+from tests.common.compile_cases import (
+    DoubleGrad,
+    assert_same_step,
+    chain_guide,
+    chain_model,
+    replay_and_eager,
+    toy_guide,
+    toy_model,
+)
 
 
 def _captured_equals_eager(model, guide):
@@ -39,10 +41,10 @@ def _captured_equals_eager(model, guide):
     x = torch.randn(6)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # captured, no fallback
-        replayed, eager = _replay_and_eager(
+        replayed, eager = replay_and_eager(
             lambda **kw: TMC_ELBO(num_samples=4, max_plate_nesting=1, **kw), model, guide, (x,)
         )
-    _assert_same(replayed, eager)
+    assert_same_step(replayed, eager)
 
 
 def _step(p, x):
@@ -82,7 +84,7 @@ def test_operations_run_without_grad_are_marked_and_stay_undifferentiated():
 
 def test_custom_backward_is_found_and_cond_is_not():
     x = torch.randn(3, requires_grad=True)
-    assert custom_backward(_DoubleGrad.apply(x).sum()) == "_DoubleGrad"
+    assert custom_backward(DoubleGrad.apply(x).sum()) == "DoubleGrad"
     assert custom_backward((x * 2).sum()) is None
 
 
@@ -91,7 +93,7 @@ def doubled_model(x):
     theta = pyro.sample("theta", dist.Normal(x.new_zeros(()), 1.0))
     with pyro.plate("data", x.shape[-1], dim=-1):
         z = pyro.sample("z", dist.Normal(theta, 1.0))
-        pyro.sample("x", dist.Normal(_DoubleGrad.apply(z), 1.0), obs=x)
+        pyro.sample("x", dist.Normal(DoubleGrad.apply(z), 1.0), obs=x)
 
 
 def test_a_custom_backward_is_captured_with_its_own_backward():
@@ -110,7 +112,7 @@ def test_a_rolled_chain_with_inner_gradients_equals_the_eager_step(variance_redu
         loss.step_program.choose_faster = False
         return loss
 
-    _assert_same(*_replay_and_eager(make_loss, chain_model, chain_guide, (torch.tensor(0.7), 24)))
+    assert_same_step(*replay_and_eager(make_loss, chain_model, chain_guide, (torch.tensor(0.7), 24)))
 
 
 def stopping_guide(x):

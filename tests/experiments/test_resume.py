@@ -12,7 +12,6 @@ import importlib.util
 import os
 import pickle
 import random
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,12 +23,13 @@ from pyro_tmc import datasets
 from pyro_tmc.__main__ import main
 from pyro_tmc.experiments.checkpoint import Checkpoint
 from pyro_tmc.experiments.vae import CHECKPOINTS
+from tests.common import REPO_ROOT
 
 # Two objectives, two gradient estimators: four configurations of two steps per epoch (--quick).
 GRID = ["vae", "--quick", "--recognition", "factorised", "--objectives", "tmc", "iwae"]
 GRID += ["--variance-reductions", "none", "stl"]
 RESULTS = ("train bound", "test IWAE", "test TMC", "steps")  # the vae.csv columns that are not timings
-LONG_RUN = Path(__file__).resolve().parents[1] / "benchmarks" / "vae_long_run.py"
+LONG_RUN = REPO_ROOT / "benchmarks" / "vae_long_run.py"
 
 
 class Killed(Exception):

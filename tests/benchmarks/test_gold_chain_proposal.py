@@ -12,11 +12,11 @@ import torch
 
 import pyro
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from tests.common import REPO_ROOT
 
 
 def _load_chain():
-    path = os.path.join(HERE, "..", "benchmarks", "gold_chain.py")
+    path = os.path.join(REPO_ROOT, "benchmarks", "gold_chain.py")
     spec = importlib.util.spec_from_file_location("gold_chain_under_test", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

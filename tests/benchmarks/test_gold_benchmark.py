@@ -11,7 +11,6 @@ import importlib.util
 import itertools
 import math
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,7 +18,9 @@ import torch
 
 import pyro
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gold.py"
+from tests.common import REPO_ROOT
+
+SCRIPT = REPO_ROOT / "benchmarks" / "gold.py"
 
 
 def _load():

@@ -3,11 +3,12 @@ bounds and held-out log-likelihoods (a smoke run; the figures themselves are the
 
 import importlib.util
 import math
-from pathlib import Path
 
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "hierarchical.py"
+from tests.common import REPO_ROOT
+
+SCRIPT = REPO_ROOT / "benchmarks" / "hierarchical.py"
 
 
 def _load():

@@ -28,11 +28,7 @@ from pyro_tmc.compile.captured_step import (
     unconstrained_parameters,
 )
 from pyro_tmc.compile.loop_rolling import LARGE_MEMBER, collapse_sum_chains, count_operations, roll
-
-try:
-    from .test_compiled import _cases, chain_guide, chain_model
-except ImportError:  # tests/ is not a package: pytest puts it on sys.path
-    from test_compiled import _cases, chain_guide, chain_model
+from tests.common.compile_cases import cases, chain_guide, chain_model
 
 
 def _captured(loss, model, guide, args):
@@ -61,14 +57,14 @@ def _same_outputs(graph, rolled, inputs, rtol=1e-5):
             assert torch.allclose(a, e, rtol=rtol, atol=rtol * max(1.0, e.abs().max().item()))
 
 
-@pytest.mark.parametrize("case", list(_cases()))
+@pytest.mark.parametrize("case", list(cases()))
 @pytest.mark.parametrize("variance_reduction", [None, "stl", "dregs"])
 def test_rolled_graph_equals_captured_graph(case, variance_reduction):
     if variance_reduction == "dregs" and case == "non_factorised":
         pytest.skip("DReGs refuses a non-factorised guide (tests/test_estimators.py)")
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
-    model, guide, args, nesting = _cases()[case]
+    model, guide, args, nesting = cases()[case]
     loss = TMC_ELBO(num_samples=4, max_plate_nesting=nesting, variance_reduction=variance_reduction)
     graph, inputs = _captured(loss, model, guide, args)
     _same_outputs(graph, roll(graph, inputs, batch_draws=False), inputs)

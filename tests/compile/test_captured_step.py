@@ -22,72 +22,34 @@ from pyro.infer import SVI
 
 from pyro_tmc import IWAE_ELBO, TMC_ELBO, TMC_RWS
 from pyro_tmc.compile.captured_step import ROLLED_FROM
-
-try:
-    from .test_compiled import _cases, chain_guide, chain_model, toy_guide, toy_model
-except ImportError:  # tests/ is not a package: pytest puts it on sys.path
-    from test_compiled import _cases, chain_guide, chain_model, toy_guide, toy_model
-
-
-def _params():
-    store = pyro.get_param_store()
-    return {name: store.get_param(name).unconstrained() for name in store}
-
-
-def _one_step(step, params):
-    """``step()``'s loss and the gradient it leaves in each parameter's ``.grad``."""
-    for p in params.values():
-        p.grad = None
-    loss = step()
-    return loss, {name: None if p.grad is None else p.grad.clone() for name, p in params.items()}
+from tests.common.compile_cases import (
+    assert_same_step,
+    cases,
+    chain_guide,
+    chain_model,
+    one_step,
+    params_by_name,
+    replay_and_eager,
+    toy_guide,
+    toy_model,
+)
 
 
-def _replay_and_eager(make_loss, model, guide, args, mode="graph", **loss_kwargs):
-    """The same draw through a replayed step and through the eager step."""
-    loss = make_loss(compile=mode, **loss_kwargs)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)  # no fallback
-        for _ in range(2):  # eager, then captured
-            loss.loss_and_grads(model, guide, *args)
-        params = _params()
-        state = torch.get_rng_state()
-        cuda_state = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-        replayed = _one_step(lambda: loss.loss_and_grads(model, guide, *args), params)
-    assert loss.step_program.captures == 1 and loss.step_program.replays == 1
-    torch.set_rng_state(state)
-    if cuda_state is not None:
-        torch.cuda.set_rng_state_all(cuda_state)
-    eager = _one_step(lambda: loss._eager_loss_and_grads(model, guide, args, {}), params)
-    return replayed, eager
-
-
-def _assert_same(replayed, eager, rtol=1e-5):
-    (value_r, grads_r), (value_e, grads_e) = replayed, eager
-    assert value_r == pytest.approx(value_e, rel=rtol, abs=rtol)
-    assert grads_r.keys() == grads_e.keys()
-    for name, grad in grads_e.items():
-        other = grads_r[name]
-        if grad is None or other is None:  # a parameter this loss does not read
-            assert grad is None or not grad.abs().any()
-            continue
-        assert torch.allclose(other, grad, rtol=rtol, atol=rtol * max(1.0, grad.abs().max().item())), name
-
-
-@pytest.mark.parametrize("case", list(_cases()))
+@pytest.mark.parametrize("case", list(cases()))
 @pytest.mark.parametrize("variance_reduction", [None, "stl", "dregs"])
 def test_replayed_step_equals_eager_step(case, variance_reduction):
     if variance_reduction == "dregs" and case == "non_factorised":
         pytest.skip("DReGs refuses a non-factorised guide (tests/test_estimators.py)")
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
-    model, guide, args, nesting = _cases()[case]
+    model, guide, args, nesting = cases()[case]
 
     def make_loss(**kwargs):
         return TMC_ELBO(
             num_samples=4, max_plate_nesting=nesting, variance_reduction=variance_reduction, **kwargs
         )
 
-    _assert_same(*_replay_and_eager(make_loss, model, guide, args))
+    assert_same_step(*replay_and_eager(make_loss, model, guide, args))
 
 
 @pytest.mark.parametrize("make_loss", [IWAE_ELBO, TMC_RWS], ids=["iwae", "rws"])
@@ -95,8 +57,8 @@ def test_replayed_step_equals_eager_step_other_losses(make_loss):
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
     x = torch.randn(6)
-    _assert_same(
-        *_replay_and_eager(
+    assert_same_step(
+        *replay_and_eager(
             lambda **kw: make_loss(num_samples=4, max_plate_nesting=1, **kw), toy_model, toy_guide, (x,)
         )
     )
@@ -121,10 +83,10 @@ def test_nn_module_parameters_are_inputs():
         with pyro.plate("data", x.shape[0], dim=-1):
             pyro.sample("z", dist.Normal(out[..., 0], out[..., 1].exp()))
 
-    replayed, eager = _replay_and_eager(
+    replayed, eager = replay_and_eager(
         lambda **kw: TMC_ELBO(num_samples=4, max_plate_nesting=1, **kw), model, guide, (x,)
     )
-    _assert_same(replayed, eager)
+    assert_same_step(replayed, eager)
     assert replayed[1]["encoder$$$weight"].abs().sum() > 0
     assert type(encoder.weight) is torch.nn.Parameter and not encoder.weight.grad_fn  # put back
 
@@ -172,12 +134,12 @@ def _steps_side_by_side(encoder, x, steps, change=None, compile="graph"):
     for step in range(steps):
         if change is not None:
             change(step)
-        params = _params()
+        params = params_by_name()
         state = pyro.util.get_rng_state()
-        eager_step = _one_step(lambda: eager.loss_and_grads(masked_model, guide, x), params)
+        eager_step = one_step(lambda: eager.loss_and_grads(masked_model, guide, x), params)
         pyro.util.set_rng_state(state)
         results.append(
-            (_one_step(lambda: captured.loss_and_grads(masked_model, guide, x), params), eager_step)
+            (one_step(lambda: captured.loss_and_grads(masked_model, guide, x), params), eager_step)
         )
     return captured, results
 
@@ -203,7 +165,7 @@ def test_a_modules_buffers_are_inputs_read_at_every_step():
         captured, results = _steps_side_by_side(encoder, x, 7, change)
     assert captured.step_program.captures == 1 and captured.step_program.replays == 5
     for replayed, eager in results:
-        _assert_same(replayed, eager)
+        assert_same_step(replayed, eager)
     assert results[3][1][0] != results[2][1][0] and results[5][1][0] != results[4][1][0]
 
 
@@ -246,8 +208,8 @@ def test_a_flow_guide_is_captured_and_its_stl_step_runs_eagerly():
     pyro.set_rng_seed(0)
     x, guide = torch.randn(3), AutoIAFNormal(_flow_model)
     make_loss = functools.partial(TMC_ELBO, num_samples=4, max_plate_nesting=0)
-    replayed, eager = _replay_and_eager(make_loss, _flow_model, guide, (x,))
-    _assert_same(replayed, eager)
+    replayed, eager = replay_and_eager(make_loss, _flow_model, guide, (x,))
+    assert_same_step(replayed, eager)
     network_grads = [grad for name, grad in replayed[1].items() if "arn" in name and grad is not None]
     assert network_grads and any(grad.abs().sum() > 0 for grad in network_grads)
 
@@ -331,15 +293,15 @@ def test_structure_change_is_caught_at_the_next_check():
         with pytest.warns(RuntimeWarning, match="no longer matches its capture"):
             loss.loss_and_grads(flagged_model, toy_guide, x)  # step 5: a check (count 4 % 4 == 0)
         loss.loss_and_grads(flagged_model, toy_guide, x)  # captured again, with the new structure
-        params = _params()
+        params = params_by_name()
         state = torch.get_rng_state()
-        replayed = _one_step(lambda: loss.loss_and_grads(flagged_model, toy_guide, x), params)
+        replayed = one_step(lambda: loss.loss_and_grads(flagged_model, toy_guide, x), params)
         torch.set_rng_state(state)
-        eager = _one_step(lambda: loss._eager_loss_and_grads(flagged_model, toy_guide, (x,), {}), params)
+        eager = one_step(lambda: loss._eager_loss_and_grads(flagged_model, toy_guide, (x,), {}), params)
     finally:
         flag["on"] = False
     assert loss.step_program.captures == 2
-    _assert_same(replayed, eager)
+    assert_same_step(replayed, eager)
 
 
 def closure_model(x):
@@ -513,10 +475,8 @@ def test_non_factorised_guide_in_a_plate_is_captured():
             z2 = pyro.sample("z2", dist.Normal(weight * z1, 1.0).to_event(1))
             pyro.sample("z3", dist.Normal(weight * z2, 1.0).to_event(1))
 
-    _assert_same(
-        *_replay_and_eager(
-            lambda **kw: TMC_ELBO(num_samples=3, max_plate_nesting=1, **kw), model, guide, (x,)
-        )
+    assert_same_step(
+        *replay_and_eager(lambda **kw: TMC_ELBO(num_samples=3, max_plate_nesting=1, **kw), model, guide, (x,))
     )
 
 
@@ -550,7 +510,7 @@ def test_a_sliced_contraction_under_stl_is_replayed_as_the_eager_step():
             num_samples=4, max_plate_nesting=1, variance_reduction="stl", max_factor_bytes=8, **kwargs
         )
 
-    _assert_same(*_replay_and_eager(make_loss, model, guide, (x,)))
+    assert_same_step(*replay_and_eager(make_loss, model, guide, (x,)))
 
 
 def test_slower_replay_gives_way_to_the_eager_step(monkeypatch):
@@ -611,8 +571,8 @@ def test_a_stiff_chain_is_repaired_inside_the_graph():
 
     make_loss = functools.partial(chain_loss, 16)
 
-    _assert_same(
-        *_replay_and_eager(make_loss, stiff_chain_model, chain_guide, (torch.tensor(0.7), 40)), rtol=1e-4
+    assert_same_step(
+        *replay_and_eager(make_loss, stiff_chain_model, chain_guide, (torch.tensor(0.7), 40)), rtol=1e-4
     )
 
 
@@ -776,7 +736,7 @@ def test_a_capture_is_sized_by_every_eager_step_of_its_key(monkeypatch):
 def test_inductor_compiles_a_step_that_repairs_itself():
     """
     Inductor compiles a captured step holding ``cond`` repairs (no fallback warning:
-    ``_replay_and_eager`` makes one an error) and replays the eager step's value and
+    ``replay_and_eager`` makes one an error) and replays the eager step's value and
     gradients. A repair branch that had not yet run was left as a lazy graph, which
     dynamo refuses to trace (the whole step then replayed uncompiled, with a warning).
     """
@@ -788,8 +748,8 @@ def test_inductor_compiles_a_step_that_repairs_itself():
     make_loss = functools.partial(chain_loss, 4)
 
     args = (torch.tensor(0.7), 6)
-    replayed, eager = _replay_and_eager(make_loss, stiff_chain_model, chain_guide, args, mode="inductor")
-    _assert_same(replayed, eager, rtol=1e-4)
+    replayed, eager = replay_and_eager(make_loss, stiff_chain_model, chain_guide, args, mode="inductor")
+    assert_same_step(replayed, eager, rtol=1e-4)
 
 
 def device_chain_guide(x, N):
@@ -811,7 +771,7 @@ def test_replayed_step_equals_eager_step_cuda(stiff):
 
     model = stiff_chain_model if stiff else chain_model
     x = torch.tensor(0.7, device="cuda")
-    _assert_same(*_replay_and_eager(make_loss, model, device_chain_guide, (x, 40)), rtol=1e-4)
+    assert_same_step(*replay_and_eager(make_loss, model, device_chain_guide, (x, 40)), rtol=1e-4)
 
 
 def test_a_cuda_graph_mode_compiles_through_torch_compile(monkeypatch):
@@ -833,8 +793,8 @@ def test_a_cuda_graph_mode_compiles_through_torch_compile(monkeypatch):
             num_samples=4, max_plate_nesting=1, compile_options={"mode": "reduce-overhead"}, **kwargs
         )
 
-    replayed, eager = _replay_and_eager(make_loss, toy_model, toy_guide, (x,), mode="inductor")
-    _assert_same(replayed, eager)
+    replayed, eager = replay_and_eager(make_loss, toy_model, toy_guide, (x,), mode="inductor")
+    assert_same_step(replayed, eager)
     assert calls and all(k["options"]["triton.cudagraphs"] for k in calls)
 
 
@@ -847,10 +807,10 @@ def test_inductors_python_wrapper_replays_the_eager_step():
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
     make_loss = functools.partial(chain_loss, 8, compile_options={"options": {"cpp_wrapper": False}})
-    replayed, eager = _replay_and_eager(
+    replayed, eager = replay_and_eager(
         make_loss, stiff_chain_model, chain_guide, (torch.tensor(0.7), 12), mode="inductor"
     )
-    _assert_same(replayed, eager, rtol=1e-4)
+    assert_same_step(replayed, eager, rtol=1e-4)
 
 
 #: one latent of each family whose draws torch makes by its own random operations
@@ -919,8 +879,8 @@ def test_inductor_with_fallback_random_draws_as_the_eager_step(dtype):
     make_loss = functools.partial(
         TMC_ELBO, num_samples=3, max_plate_nesting=1, compile_options={"options": {"fallback_random": True}}
     )
-    replayed, eager = _replay_and_eager(make_loss, families_model, families_guide, (data,), mode="inductor")
-    _assert_same(replayed, eager, rtol=1e-4)
+    replayed, eager = replay_and_eager(make_loss, families_model, families_guide, (data,), mode="inductor")
+    assert_same_step(replayed, eager, rtol=1e-4)
     assert eager[1]["q_probs"].abs().max() > 1e-3  # the draws decide this gradient: the check has teeth
 
 
@@ -987,10 +947,10 @@ def test_a_wrapper_built_apart_replays_the_eager_step(monkeypatch):
         loss.step_program.roll_above = 0
         return loss
 
-    replayed, eager = _replay_and_eager(
+    replayed, eager = replay_and_eager(
         make_loss, stiff_chain_model, chain_guide, (torch.tensor(0.7), 12), mode="inductor"
     )
-    _assert_same(replayed, eager, rtol=1e-4)
+    assert_same_step(replayed, eager, rtol=1e-4)
     assert [options.get("cpp_wrapper_build_separate") for options in settings] == [True]
 
 
@@ -1035,18 +995,18 @@ def test_a_step_compiled_in_the_background_equals_the_eager_step_before_and_afte
         warnings.simplefilter("error", RuntimeWarning)  # no fallback
         for _ in range(2):  # eager, then captured
             loss.loss_and_grads(stiff_chain_model, chain_guide, *args)
-        params = _params()
+        params = params_by_name()
         for compiled in (False, True):
             state = torch.get_rng_state()
-            replayed = _one_step(lambda: loss.loss_and_grads(stiff_chain_model, chain_guide, *args), params)
+            replayed = one_step(lambda: loss.loss_and_grads(stiff_chain_model, chain_guide, *args), params)
             (captured,) = loss.step_program._steps.values()
             assert captured.program.uncompiled_calls == 1  # the first replay, while it compiled
             assert captured.program.compiled is not None or not compiled
             torch.set_rng_state(state)
-            eager = _one_step(
+            eager = one_step(
                 lambda: loss._eager_loss_and_grads(stiff_chain_model, chain_guide, args, {}), params
             )
-            _assert_same(replayed, eager, rtol=1e-4)
+            assert_same_step(replayed, eager, rtol=1e-4)
             loss.step_program.wait_for_compiles()
     assert loss.step_program.replays == 2
 
@@ -1091,14 +1051,14 @@ def test_a_cuda_graph_step_draws_afresh_and_equals_eager_cuda():
         loss.step_program.batch_draws = False  # eager's numbers, were the step rolled
         return loss
 
-    replayed, eager = _replay_and_eager(make_loss, chain_model, device_chain_guide, (x, 12), mode="inductor")
-    _assert_same(replayed, eager, rtol=1e-4)
+    replayed, eager = replay_and_eager(make_loss, chain_model, device_chain_guide, (x, 12), mode="inductor")
+    assert_same_step(replayed, eager, rtol=1e-4)
 
     loss = make_loss(compile="inductor")
     args = (x, 12)
     for _ in range(2):  # eager, then captured
         loss.loss_and_grads(chain_model, device_chain_guide, *args)
-    params = _params()
+    params = params_by_name()
     values, kept = [], []
     for _ in range(4):
         for p in params.values():

@@ -1,0 +1,1 @@
+"""Tests that the scripts in benchmarks/ run and read what they should."""

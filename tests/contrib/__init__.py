@@ -1,0 +1,1 @@
+"""Tests of pyro_tmc.contrib: data-parallel training."""

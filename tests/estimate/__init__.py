@@ -1,0 +1,1 @@
+"""Tests of pyro_tmc.estimate: one draw to named log factors."""

@@ -1,0 +1,1 @@
+"""Tests of pyro_tmc.infer: the losses and read-outs, against independent oracles."""

@@ -1,0 +1,1 @@
+"""Tests of pyro_tmc.ops: log-space einsum, underflow repair, contraction, memory budget."""
