@@ -1,11 +1,10 @@
 """posterior_moments (issue 20, item 2): moments pooled over TMC draws, against the exact Gaussian posterior.
 
-Toy model (tests/common/models.py, N = 8: theta and z_1..z_8, a coupled Gaussian posterior), its prior-marginal
-guide, K = 4 particles, 200 draws. Measured over seeds 0-4, largest |error| / standard error over the
-9 means and the 9 sds: evidence weighting 0.9-2.6 (means) and 1.6-2.8 (sds), with 47-60 effective
-draws; the plain average 6.5-8.6 and 5.2-6.9, its O(1/K) bias (at 400 draws: worst mean error 0.53
-posterior sd, against 0.09 weighted).
-"""
+Toy model (tests/common/models.py, N = 8: theta and z_1..z_8, a coupled Gaussian posterior), its
+prior-marginal guide, K = 4 particles, 200 draws. Measured over seeds 0-4, largest |error| /
+standard error over the 9 means and the 9 sds: evidence weighting 0.9-2.6 (means) and 1.6-2.8 (sds),
+with 47-60 effective draws; the plain average 6.5-8.6 and 5.2-6.9, its O(1/K) bias (at 400 draws:
+worst mean error 0.53 posterior sd, against 0.09 weighted)."""
 
 import numpy as np
 import pytest
