@@ -11,6 +11,7 @@ import pyro_tmc
 PACKAGE = pathlib.Path(pyro_tmc.__file__).parent
 #: lowest first: a module may import its own layer and those before it
 LAYERS = (
+    "pyro_tmc._torch",
     "pyro_tmc._pyro",
     "pyro_tmc.ops",
     "pyro_tmc.poutine",
