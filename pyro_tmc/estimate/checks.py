@@ -17,7 +17,7 @@ import torch
 from pyro.poutine import Trace
 from pyro.util import check_site_shape
 
-from pyro_tmc.ops.log_einsum import checks_deferred
+from pyro_tmc.ops.capture import is_tracing
 from pyro_tmc.ops.shapes import log_prob_shape
 from pyro_tmc.poutine.sites import has_particle_dim, is_sample, particle_draw, particle_symbol, plate_symbols
 
@@ -163,7 +163,7 @@ def check_finite(
     :raises ValueError: naming the first site whose factor holds a NaN or
         +inf, or is -inf everywhere.
     """
-    if checks_deferred() or torch.isfinite(estimate).all():
+    if is_tracing() or torch.isfinite(estimate).all():
         return  # a graph being traced: its caller recomputes a non-finite estimate eagerly
     for factor in factors:
         site = factor.site

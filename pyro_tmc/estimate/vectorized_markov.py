@@ -24,7 +24,7 @@ The model's ``log p(z_t | z_{t-1})`` is then a stack over time of ``(K_a, K_b)``
 matrices, the link from step ``t-1`` to step ``t``. Contracting the time dim is
 the chain product of these matrices (:func:`reduce_markov_times`), with the
 factors over ``b`` alone (observations, ``-log q - log K``) added to each link,
-in ``log2(T)`` levels (:func:`~pyro_tmc.ops.log_einsum.sequential_log_matmul_exp`).
+in ``log2(T)`` levels (:func:`~pyro_tmc.ops.log_matmul.sequential_log_matmul_exp`).
 It leaves one factor over ``a`` and the last step's ``b``, which the rest of the
 contraction sums with ``z_0``'s own factors. This is the unrolled ``pyro.markov``
 chain's estimate, term for term: the same factors, contracted in another order.
@@ -62,7 +62,7 @@ from pyro.poutine import Trace
 from pyro.poutine.messenger import Messenger
 
 from pyro_tmc.ops.contraction import _contract
-from pyro_tmc.ops.log_einsum import sequential_log_matmul_exp
+from pyro_tmc.ops.log_matmul import sequential_log_matmul_exp
 from pyro_tmc.ops.shapes import packed_view
 from pyro_tmc.poutine.sites import has_particle_dim, own_particle_dim, particle_draw
 

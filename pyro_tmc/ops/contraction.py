@@ -31,9 +31,10 @@ from torch.utils.checkpoint import checkpoint
 from pyro.ops.contract import contract_to_tensor
 from pyro.ops.rings import LogRing
 
-from pyro_tmc.ops.log_einsum import logsumexp_to_precision, safe_logsumexp, sequential_log_matmul_exp
+from pyro_tmc.ops.log_matmul import sequential_log_matmul_exp
 from pyro_tmc.ops.memory import mark_contraction_step
 from pyro_tmc.ops.shapes import packed_view
+from pyro_tmc.ops.underflow import logsumexp_to_precision, safe_logsumexp
 
 
 @dataclass
@@ -589,7 +590,7 @@ def reduce_chains(
     Contract every chain of pairwise factors (``pyro.markov`` models: z_1 - z_2 - ... - z_N)
     in O(log N) depth (:func:`find_chains`): the links are stacked, each with the
     unary factors of the dim it leads to added, and multiplied by a balanced tree of
-    log-matmul-exps (:func:`~pyro_tmc.ops.log_einsum.sequential_log_matmul_exp`). The
+    log-matmul-exps (:func:`~pyro_tmc.ops.log_matmul.sequential_log_matmul_exp`). The
     chain is replaced by one factor between its two ends; the ends' unary factors
     stay. Factors that are slices of one stacked tensor (the links' densities,
     evaluated together: :mod:`pyro_tmc.estimate.batched_densities`) are taken in one
@@ -727,7 +728,7 @@ def _contract_one_global_sum(tensors, sum_dims, plate_scales) -> torch.Tensor:
     """
     ``log sum_k prod_f prod_plates exp(f)``: each factor's plate products are
     sums of logs (scaled by the plates' scales), then one logsumexp over k, to the
-    dtype's precision (:func:`~pyro_tmc.ops.log_einsum.logsumexp_to_precision`). The
+    dtype's precision (:func:`~pyro_tmc.ops.underflow.logsumexp_to_precision`). The
     same value as the general contraction, without its planning.
     """
     total = 0.0

@@ -21,7 +21,7 @@ import pyro.distributions as dist
 
 from pyro_tmc import IWAE_ELBO
 from pyro_tmc.ops.contraction import contract_log_factors
-from pyro_tmc.ops.log_einsum import logsumexp_to_precision
+from pyro_tmc.ops.underflow import logsumexp_to_precision
 
 
 def _subnormals(tensor: torch.Tensor) -> int:

@@ -17,16 +17,12 @@ import torch.distributions.normal as torch_normal
 import pyro
 import pyro.distributions as dist
 
-from pyro_tmc import TMC_ELBO, log_einsum
+from pyro_tmc import TMC_ELBO
 from pyro_tmc.estimate.factors import contract_estimate
-from pyro_tmc.ops.log_einsum import (
-    any_flag,
-    counting_repairs,
-    deferred_underflow_checks,
-    einsum,
-    log_matmul_exp,
-    sequential_log_matmul_exp,
-)
+from pyro_tmc.ops import graph_repair, underflow
+from pyro_tmc.ops.capture import any_flag, counting_repairs, deferred_underflow_checks
+from pyro_tmc.ops.log_einsum import einsum
+from pyro_tmc.ops.log_matmul import log_matmul_exp, sequential_log_matmul_exp
 
 EPS32 = torch.finfo(torch.float32).eps
 
@@ -152,7 +148,7 @@ def test_repairs_read_the_rows_of_broadcast_batches():
         y.double() - y.double().amax(-2, keepdim=True)
     ).exp()
     # float64 alone loses some entries, in nearly every matrix of the output's batch
-    underflowed = (wide < log_einsum.underflow_floor(torch.float64, 16)).sum((-2, -1))
+    underflowed = (wide < underflow.underflow_floor(torch.float64, 16)).sum((-2, -1))
     assert (underflowed > 0).sum() >= 30
     for product in (log_matmul_exp, in_graph):
         assert_close_log(product(x, y), oracle(x.double(), y.double()), 2000.0)
@@ -208,7 +204,7 @@ def test_einsum_repairs_only_what_underflows():
 
 def test_exact_recomputation_in_chunks(monkeypatch):
     """The repaired entries are recomputed a few at a time (memory-bounded): the same values."""
-    monkeypatch.setattr(log_einsum, "EXACT_CHUNK_ELEMENTS", 10)  # one or two entries a chunk
+    monkeypatch.setattr(underflow, "EXACT_CHUNK_ELEMENTS", 10)  # one or two entries a chunk
     generator = torch.Generator().manual_seed(5)
     x, y = spread((2, 6, 7), generator, 0.2), spread((2, 5, 7), generator, 0.2).transpose(-1, -2)
     expected = brute_einsum("nij,njk->nik", x.double(), y.double())
@@ -296,8 +292,8 @@ def test_graph_repairs_underflowed_entries_alone_and_flags_too_many(monkeypatch)
         wide = (x.double() - x.double().amax(-1, keepdim=True)).exp() @ (
             y.double() - y.double().amax(-2, keepdim=True)
         ).exp()
-        underflowed = int((wide < log_einsum.underflow_floor(torch.float64, 16)).sum())
-        capacity = log_einsum.repair_capacity(wide.numel())
+        underflowed = int((wide < underflow.underflow_floor(torch.float64, 16)).sum())
+        capacity = graph_repair.repair_capacity(wide.numel())
         assert underflowed > 0 and capacity < wide.numel() and (underflowed <= capacity) == repaired
         reference = x.double().requires_grad_()
         expected = torch.logsumexp(reference[..., :, :, None] + y.double()[..., None, :, :], -2)
@@ -311,9 +307,9 @@ def test_graph_repairs_underflowed_entries_alone_and_flags_too_many(monkeypatch)
 
         taken = []  # without autograd, a cond runs only the branch it takes
         with monkeypatch.context() as patch:
-            original = log_einsum._entries_branch
+            original = graph_repair._entries_branch
             patch.setattr(
-                log_einsum, "_entries_branch", lambda *a, t=taken, f=original: (t.append(1), f(*a))[1]
+                graph_repair, "_entries_branch", lambda *a, t=taken, f=original: (t.append(1), f(*a))[1]
             )
             with torch.no_grad(), deferred_underflow_checks(repair_in_graph=True):
                 log_matmul_exp(x, y)
@@ -332,12 +328,12 @@ def _repair_sizes(graph) -> list:
 
 def test_repair_capacity_fits_the_need_an_eager_run_saw():
     """Without a count, the default; with one, half as much again plus 64, capped by the default."""
-    assert log_einsum.repair_capacity(50_176) == 6_272
-    assert log_einsum.repair_capacity(3_072) == 4_096  # small: repaired whole
-    assert log_einsum.repair_capacity(50_176, 0) == 64  # Fig. 4 at N=100: 0-6 entries of 50k
-    assert log_einsum.repair_capacity(256_000, 6_500) == 9_814
-    assert log_einsum.repair_capacity(511_000, 52_000) == 63_875  # the default, above the need
-    assert log_einsum.repair_capacity(4_864, 4_500) == 4_864  # more than the default needed: all
+    assert graph_repair.repair_capacity(50_176) == 6_272
+    assert graph_repair.repair_capacity(3_072) == 4_096  # small: repaired whole
+    assert graph_repair.repair_capacity(50_176, 0) == 64  # Fig. 4 at N=100: 0-6 entries of 50k
+    assert graph_repair.repair_capacity(256_000, 6_500) == 9_814
+    assert graph_repair.repair_capacity(511_000, 52_000) == 63_875  # the default, above the need
+    assert graph_repair.repair_capacity(4_864, 4_500) == 4_864  # more than the default needed: all
 
 
 def test_graph_repairs_are_sized_by_the_eager_counts():
@@ -353,7 +349,7 @@ def test_graph_repairs_are_sized_by_the_eager_counts():
     with counting_repairs() as counts:
         expected = log_matmul_exp(x, y)
     ((shape, needed, narrow_clean),) = counts
-    assert shape == (40, 16, 16) and 0 < needed < log_einsum.repair_capacity(shape.numel()) // 2
+    assert shape == (40, 16, 16) and 0 < needed < graph_repair.repair_capacity(shape.numel()) // 2
     assert not narrow_clean
 
     def traced(repair_counts):
@@ -365,7 +361,7 @@ def test_graph_repairs_are_sized_by_the_eager_counts():
         return make_fx(product, tracing_mode="fake")(x, y)
 
     graph = traced(counts)
-    assert _repair_sizes(graph) == [log_einsum.repair_capacity(shape.numel(), needed)]
+    assert _repair_sizes(graph) == [graph_repair.repair_capacity(shape.numel(), needed)]
     with torch.no_grad():
         value, flagged = graph(x, y)
     assert not flagged and torch.allclose(value, expected, rtol=1e-6, atol=1e-6)
@@ -375,7 +371,7 @@ def test_graph_repairs_are_sized_by_the_eager_counts():
     with torch.no_grad():
         assert bool(too_few(x, y)[1])
     assert _repair_sizes(traced([(torch.Size([7, 16, 16]), needed)])) == [
-        log_einsum.repair_capacity(shape.numel())
+        graph_repair.repair_capacity(shape.numel())
     ]  # a count for another shape: the products do not line up, the default
 
 
@@ -433,7 +429,7 @@ def test_a_product_clean_after_a_clean_one_is_flagged_not_repaired():
         return make_fx(products, tracing_mode="fake")(x, y)
 
     graph = traced([(shape, 700), (shape, 0), (shape, 0), (shape, 0)])
-    needed_capacity = log_einsum.repair_capacity(shape.numel(), 700)
+    needed_capacity = graph_repair.repair_capacity(shape.numel(), 700)
     assert _repair_sizes(graph) == [needed_capacity, 64]  # the third and fourth: no repair
     with torch.no_grad():
         values, flags = graph(x, y)
