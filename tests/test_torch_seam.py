@@ -21,7 +21,6 @@ PRIVATE_ATTRIBUTES = {"_schema", "_root", "_forward_cls", "_dynamo"}
 KNOWN = {
     ("compile/background_compile.py", "torch._dynamo"),
     ("compile/background_compile.py", "torch._higher_order_ops.triton_kernel_wrap"),
-    ("compile/bmm_layout.py", "torch._inductor.custom_graph_pass.CustomGraphPass"),
     ("compile/captured_step.py", "'_schema'"),
     ("compile/captured_step.py", "torch.fx._lazy_graph_module._LazyGraphModule"),
     ("compile/captured_step.py", "torch.fx._lazy_graph_module._use_lazy_graph_module"),
@@ -37,20 +36,6 @@ KNOWN = {
     ("compile/compiled.py", "torch.distributions.transforms._InverseTransform"),
     ("compile/compiled.py", "torch.fx.experimental.proxy_tensor.make_fx"),
     ("compile/compiled.py", "torch.fx.experimental.symbolic_shapes.ShapeEnv"),
-    ("compile/forward_trace.py", "'_forward_cls'"),
-    ("compile/forward_trace.py", "'torch._higher_order_ops'"),
-    ("compile/forward_trace.py", "._root"),
-    ("compile/forward_trace.py", "torch._ops.HigherOrderOperator"),
-    ("compile/forward_trace.py", "torch.fx.experimental.proxy_tensor.get_proxy_mode"),
-    ("compile/forward_trace.py", "torch.fx.experimental.proxy_tensor.make_fx"),
-    ("compile/forward_trace.py", "torch.utils._python_dispatch.TorchDispatchMode"),
-    ("compile/loop_rolling.py", "._schema"),
-    ("compile/loop_rolling.py", "torch._ops.HigherOrderOperator"),
-    ("compile/loop_rolling.py", "torch._ops.OpOverload"),
-    ("compile/loop_rolling.py", "torch.fx.experimental.proxy_tensor.make_fx"),
-    ("compile/loop_rolling.py", "torch.utils._pytree.tree_flatten"),
-    ("compile/loop_rolling.py", "torch.utils._pytree.tree_map"),
-    ("compile/loop_rolling.py", "torch.utils._pytree.tree_unflatten"),
 }
 
 

@@ -29,7 +29,9 @@ would be laid out like its input again).
 from typing import Optional
 
 import torch
-from torch._inductor.custom_graph_pass import CustomGraphPass
+
+# inductor's: this module is imported only where inductor compiles (compile/compiled.py)
+from pyro_tmc._torch import CustomGraphPass
 
 aten = torch.ops.aten
 

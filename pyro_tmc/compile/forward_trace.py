@@ -29,7 +29,15 @@ from typing import Any, Callable, Optional
 import torch
 from torch.fx import GraphModule, Interpreter, Node
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from pyro_tmc._torch import (
+    HIGHER_ORDER_OPS_MODULE,
+    HigherOrderOperator,
+    TorchDispatchMode,
+    autograd_function_of,
+    get_proxy_mode,
+    make_fx,
+)
 
 #: a node's ``meta`` key: ``True`` where the eager step ran it under ``no_grad``
 NO_GRAD = "pyro_tmc_no_grad"
@@ -55,18 +63,16 @@ class GradModeMarks(TorchDispatchMode):
         self.read_a_value = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch.fx.experimental.proxy_tensor import get_proxy_mode
-
         if func is torch.ops.aten._local_scalar_dense.default:
             self.read_a_value = True
         if self.graph is None:
             self.graph = get_proxy_mode().tracer.graph
-        without_grad = not torch.is_grad_enabled() and not isinstance(func, torch._ops.HigherOrderOperator)
+        without_grad = not torch.is_grad_enabled() and not isinstance(func, HigherOrderOperator)
         out = func(*args, **(kwargs or {}))
-        tail = self.graph._root.prev
+        tail = next(iter(reversed(self.graph.nodes)), None)  # the node this operation recorded last
         if without_grad:
             node = tail
-            while node is not self.last and node.op != "root":
+            while node is not None and node is not self.last and node.op != "root":
                 node.meta[NO_GRAD] = True
                 node = node.prev
         self.last = tail
@@ -114,8 +120,8 @@ def custom_backward(output: torch.Tensor) -> Optional[str]:
             continue
         seen.add(node)
         if isinstance(node, torch.autograd.function.BackwardCFunction):
-            function = getattr(node, "_forward_cls", type(node))
-            if not function.__module__.startswith("torch._higher_order_ops"):
+            function = autograd_function_of(node)
+            if not function.__module__.startswith(HIGHER_ORDER_OPS_MODULE):
                 return function.__name__
         stack.extend(next_node for next_node, _ in node.next_functions)
     return None
@@ -139,7 +145,6 @@ def derive_backward(forward: Callable, inputs: Sequence[torch.Tensor], num_param
         :class:`~pyro_tmc.compile.loop_rolling.RolledStep` (which keeps the grad modes too).
     :param inputs: example inputs (traced as fake tensors).
     """
-    from torch.fx.experimental.proxy_tensor import make_fx
 
     def step(*inputs: torch.Tensor):
         leaves = list(inputs[:num_params])

@@ -39,8 +39,16 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch.fx import Graph, GraphModule, Node
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from pyro_tmc._torch import (
+    HigherOrderOperator,
+    OpOverload,
+    make_fx,
+    schema_of,
+    tree_flatten,
+    tree_map,
+    tree_unflatten,
+)
 from pyro_tmc.compile.forward_trace import NO_GRAD, grad_mode_of, runs_without_grad
 
 aten = torch.ops.aten
@@ -116,7 +124,7 @@ def _value(node: Node) -> Any:
 
 def _is_random(node: Node) -> bool:
     target = node.target
-    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
+    return isinstance(target, OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
 
 
 def _draws_exactly_at_once(node: Node) -> bool:
@@ -278,7 +286,7 @@ _FRESH = {
 
 
 def _mutates(node: Node) -> bool:
-    return isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable
+    return isinstance(node.target, OpOverload) and schema_of(node.target).is_mutable
 
 
 def _aliases(node: Node) -> bool:
@@ -287,9 +295,9 @@ def _aliases(node: Node) -> bool:
         return False
     if node.target is operator.getitem:
         return _aliases(node.args[0])
-    if not isinstance(node.target, torch._ops.OpOverload):
+    if not isinstance(node.target, OpOverload):
         return False
-    returns = node.target._schema.returns
+    returns = schema_of(node.target).returns
     return bool(returns) and returns[0].alias_info is not None
 
 
@@ -372,7 +380,7 @@ def _group_key(node: Node, level: int, batch_draws: bool) -> Optional[tuple]:
     if _is_random(node) and not (batch_draws or _draws_exactly_at_once(node)):
         return None
     target = node.target
-    if not (isinstance(target, torch._ops.OpOverload) or target is operator.getitem):
+    if not (isinstance(target, OpOverload) or target is operator.getitem):
         return None
     if target in NO_BATCHING_RULE:
         return None
@@ -571,7 +579,7 @@ class RolledStep:
             if joined is not None:
                 return joined
         get = self._get
-        if isinstance(node.target, torch._ops.HigherOrderOperator):  # (cond) refuses aliased operands
+        if isinstance(node.target, HigherOrderOperator):  # (cond) refuses aliased operands
             get = self._get_unaliased
         args, kwargs = tree_map(lambda a: get(a) if isinstance(a, Node) else a, (node.args, node.kwargs))
         if node.target is aten.view.default and node not in self.pinned:
@@ -947,8 +955,6 @@ def roll(
     :param example_inputs: inputs of the right shapes (traced as fake tensors; not run).
     :param bool batch_draws: see :func:`plan_groups`.
     """
-    from torch.fx.experimental.proxy_tensor import make_fx
-
     runner = rolled_runner(module, batch_draws)
     # the step's backward is in its graph already, as operations: tracing them needs no autograd
     with torch.no_grad():
