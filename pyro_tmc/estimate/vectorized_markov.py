@@ -24,7 +24,7 @@ The model's ``log p(z_t | z_{t-1})`` is then a stack over time of ``(K_a, K_b)``
 matrices, the link from step ``t-1`` to step ``t``. Contracting the time dim is
 the chain product of these matrices (:func:`reduce_markov_times`), with the
 factors over ``b`` alone (observations, ``-log q - log K``) added to each link,
-in ``log2(T)`` levels (:func:`~pyro_tmc.ops.log_matmul.sequential_log_matmul_exp`).
+in ``log2(T)`` levels (:func:`~pyro_tmc.ops.chains.chain_product`).
 It leaves one factor over ``a`` and the last step's ``b``, which the rest of the
 contraction sums with ``z_0``'s own factors. This is the unrolled ``pyro.markov``
 chain's estimate, term for term: the same factors, contracted in another order.
@@ -61,8 +61,8 @@ import torch
 from pyro.poutine import Trace
 from pyro.poutine.messenger import Messenger
 
+from pyro_tmc.ops.chains import chain_product
 from pyro_tmc.ops.contraction import _contract
-from pyro_tmc.ops.log_matmul import sequential_log_matmul_exp
 from pyro_tmc.ops.shapes import packed_view
 from pyro_tmc.poutine.sites import has_particle_dim, own_particle_dim, particle_draw
 
@@ -379,11 +379,11 @@ def reduce_markov_times(
             )
         inside = [f for f in factors if time.symbol in f._pyro_dims]
         outside = [f for f in factors if time.symbol not in f._pyro_dims]
-        factors = outside + [_chain_product(inside, outside, time, plates, plate_scales)]
+        factors = outside + [_contract_time(inside, outside, time, plates, plate_scales)]
     return factors
 
 
-def _chain_product(inside, outside, time: MarkovTime, plates: frozenset, plate_scales) -> torch.Tensor:
+def _contract_time(inside, outside, time: MarkovTime, plates: frozenset, plate_scales) -> torch.Tensor:
     """The factors over one time dim, contracted over it as a chain of ``(state, state)`` links."""
     held = set("".join(f._pyro_dims for f in inside))
     held_outside = set("".join(f._pyro_dims for f in outside))
@@ -411,7 +411,7 @@ def _chain_product(inside, outside, time: MarkovTime, plates: frozenset, plate_s
             f"later step {num_to}; a vectorized_markov chain needs one count at every step "
             "(set the same num_samples on the first step's sites and the later steps')."
         )
-    product = sequential_log_matmul_exp(links.reshape(lead + [num_from, num_to]))
+    product = chain_product(links.reshape(lead + [num_from, num_to]))
     product = product.reshape(shape[: len(lead) - 1] + shape[len(lead) :])
     # the product's from side holds the first step's particles (or its support)
     product._pyro_dims = "".join(batch_plates + batch + list(time.first_symbols) + state_to)

@@ -31,7 +31,7 @@ from torch.utils.checkpoint import checkpoint
 from pyro.ops.contract import contract_to_tensor
 from pyro.ops.rings import LogRing
 
-from pyro_tmc.ops.log_matmul import sequential_log_matmul_exp
+from pyro_tmc.ops.chains import chain_product
 from pyro_tmc.ops.memory import mark_contraction_step
 from pyro_tmc.ops.shapes import packed_view
 from pyro_tmc.ops.underflow import logsumexp_to_precision, safe_logsumexp
@@ -590,7 +590,7 @@ def reduce_chains(
     Contract every chain of pairwise factors (``pyro.markov`` models: z_1 - z_2 - ... - z_N)
     in O(log N) depth (:func:`find_chains`): the links are stacked, each with the
     unary factors of the dim it leads to added, and multiplied by a balanced tree of
-    log-matmul-exps (:func:`~pyro_tmc.ops.log_matmul.sequential_log_matmul_exp`). The
+    log-matmul-exps (:func:`~pyro_tmc.ops.chains.chain_product`). The
     chain is replaced by one factor between its two ends; the ends' unary factors
     stay. Factors that are slices of one stacked tensor (the links' densities,
     evaluated together: :mod:`pyro_tmc.estimate.batched_densities`) are taken in one
@@ -617,7 +617,7 @@ def reduce_chains(
                 factors, unary_items, count, functools.partial(_head_dims, batch, nodes), sizes, stacks
             )
             links = links + rows.unsqueeze(-2)  # a new tensor: links may be a view of the densities
-        product = sequential_log_matmul_exp(links.movedim(0, -3))  # (plates..., links, K, K)
+        product = chain_product(links, dim=0)  # links (links, plates..., K, K)
         product._pyro_dims = "".join(batch) + nodes[0] + nodes[-1]
         products.append(product)
         replaced.update(i for _, i in link_items + unary_items)

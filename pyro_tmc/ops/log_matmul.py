@@ -80,18 +80,4 @@ def _gather_rows(matrices: torch.Tensor, batch: Sequence[torch.Tensor], row: tor
     return matrices.reshape(-1, matrices.size(-1)).index_select(0, flat)
 
 
-def sequential_log_matmul_exp(logits: torch.Tensor) -> torch.Tensor:
-    """
-    The log-space product ``x[..., 0, :, :] @ x[..., 1, :, :] @ ... @ x[..., T-1, :, :]``
-    of a stack of log matrices along dim -3, in ~log2(T) levels: each level
-    multiplies neighbouring pairs at once (a balanced tree), keeping the order.
-    """
-    while logits.size(-3) > 1:
-        length = logits.size(-3)
-        even = length - length % 2
-        pairs = log_matmul_exp(logits[..., 0:even:2, :, :], logits[..., 1:even:2, :, :])
-        logits = torch.cat([pairs, logits[..., even:, :, :]], dim=-3) if length % 2 else pairs
-    return logits.squeeze(-3)
-
-
-__all__ = ["log_matmul_exp", "sequential_log_matmul_exp"]
+__all__ = ["log_matmul_exp"]

@@ -21,8 +21,9 @@ from pyro_tmc import TMC_ELBO
 from pyro_tmc.estimate.factors import contract_estimate
 from pyro_tmc.ops import graph_repair, underflow
 from pyro_tmc.ops.capture import any_flag, counting_repairs, deferred_underflow_checks
+from pyro_tmc.ops.chains import chain_product
 from pyro_tmc.ops.log_einsum import einsum
-from pyro_tmc.ops.log_matmul import log_matmul_exp, sequential_log_matmul_exp
+from pyro_tmc.ops.log_matmul import log_matmul_exp
 
 EPS32 = torch.finfo(torch.float32).eps
 
@@ -96,7 +97,7 @@ def check_gradients(function, oracle, operands, generator) -> None:
         assert (ours.grad[torch.isneginf(ours)] == 0).all()
 
 
-# -- log_matmul_exp, sequential_log_matmul_exp, einsum ----------------------------------
+# -- log_matmul_exp, chain_product, einsum ----------------------------------
 
 
 @pytest.mark.parametrize("dead", [0.0, 0.3])
@@ -156,7 +157,7 @@ def test_repairs_read_the_rows_of_broadcast_batches():
 
 
 @pytest.mark.parametrize("length", [2, 7, 12])
-def test_sequential_log_matmul_exp_wide_spread(length):
+def test_chain_product_wide_spread(length):
     generator = torch.Generator().manual_seed(length)
     links = spread((2, length, 5, 5), generator, dead=0.1)
 
@@ -167,9 +168,9 @@ def test_sequential_log_matmul_exp_wide_spread(length):
         return product
 
     expected = oracle(links.double())
-    assert_close_log(sequential_log_matmul_exp(links), expected, 1000.0 * length)
+    assert_close_log(chain_product(links), expected, 1000.0 * length)
     if length <= 7:
-        check_gradients(sequential_log_matmul_exp, oracle, [links], generator)
+        check_gradients(chain_product, oracle, [links], generator)
 
 
 @pytest.mark.parametrize(
