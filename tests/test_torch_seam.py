@@ -1,15 +1,19 @@
 """torch's private and experimental internals, reached only through ``pyro_tmc._torch``, must all be there."""
 
 import ast
+import configparser
 import pathlib
 import re
 
+import pytest
 import torch
+from packaging.version import Version
 
 from pyro_tmc import _torch
 from pyro_tmc._torch import missing_private_names
 
-PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "pyro_tmc"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "pyro_tmc"
 
 #: attributes of torch's objects that are torch's private business (a node's ``_schema``, a graph's
 #: ``_root``, a backward node's ``_forward_cls``, the ``_dynamo`` marks on a tensor), read directly
@@ -142,3 +146,26 @@ def test_the_check_sees_each_kind_of_use():
         "'_forward_cls'",
         "'torch._higher_order_ops'",
     }
+
+
+def _torch_floor(setup_cfg: str) -> Version:
+    config = configparser.ConfigParser()
+    config.read_string(setup_cfg)
+    requirements = config["options"]["install_requires"].split()
+    (floor,) = [r.split(">=")[1] for r in requirements if re.fullmatch(r"torch>=[\d.]+", r)]
+    return Version(floor)
+
+
+def _ci_torch_pins(ci_run: str) -> list:
+    return [Version(pin) for pin in re.findall(r"\btorch==([\d.]+)", ci_run)]
+
+
+def test_the_torch_floor_is_a_tested_torch():
+    """setup.cfg admits no torch older than the oldest that CI installs and tests."""
+    setup_cfg, ci_run = ROOT / "setup.cfg", ROOT / ".ci" / "run"
+    if not (setup_cfg.exists() and ci_run.exists()):
+        pytest.skip("run from outside the checkout (an installed wheel's tests)")
+    floor, pins = _torch_floor(setup_cfg.read_text()), _ci_torch_pins(ci_run.read_text())
+    assert pins, ".ci/run pins no torch"
+    assert floor == min(pins), f"setup.cfg says torch>={floor}; CI tests torch {', '.join(map(str, pins))}"
+    assert Version(torch.__version__.split("+")[0]) >= floor
