@@ -15,6 +15,14 @@ A graph of aten operations forgets two things about the eager step:
   that STL and DReGs take) is not differentiated by the eager step. While the
   forward is traced, :class:`GradModeMarks` marks each node run without grad, and
   the second trace runs each node in its mode (:func:`runs_without_grad`).
+  ``make_fx(pre_dispatch=True)`` records grad mode too, as
+  ``torch._C._set_grad_enabled`` calls between the nodes, and is not used: loop
+  rolling reorders nodes level by level, across such calls, so it needs each
+  node's own mode and would have to turn the calls back into these marks; and a
+  pre-dispatch trace keeps composite operations whole (``linear`` stays
+  ``linear``, not ``t`` and ``mm``), another graph than the one that rolling's
+  rules, the bmm pass (:mod:`pyro_tmc.compile.bmm_layout`) and the measured
+  timings are made for.
 - **A custom ``autograd.Function``'s backward, and tensor hooks**, which need not
   be the derivative of the forward's operations. A step that uses one is traced
   with its backward instead (:func:`custom_backward`, :class:`HookWatch`).

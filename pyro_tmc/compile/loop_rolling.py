@@ -8,9 +8,18 @@ operations per step is bound by the replay, and inductor cannot compile it in
 reasonable time. This module rolls the copies back up, as a compiler rolls a
 loop it had unrolled:
 
-1. The graph is functionalized (:func:`torch.func.functionalize`): no operation
-   mutates a tensor, so operations can be reordered freely within their
-   dependencies.
+1. In-place writes are made functional where they start a tensor, and pinned
+   in order elsewhere. ``make_fx`` writes ``randn`` as ``empty(...).normal_()``
+   and a copy into a new tensor as ``empty(...).copy_(x)``: each becomes the
+   draw or copy that returns a new tensor (:func:`replace_fresh_fills`). Any
+   other write (into a slice of a buffer) pins the buffer, its views and its
+   writes (:func:`mutation_order`): they run one by one, in their order, and
+   every other operation may be reordered within its dependencies. The graph
+   is not functionalized (``torch.func.functionalize``): that rewrites each
+   write into a slice as a ``select_scatter`` / ``slice_scatter`` copy of the
+   whole buffer, each depending on the one before, so ``N`` writes into an
+   ``N``-row buffer would become a chain of ``N`` whole-buffer copies, no more
+   batchable than the writes and ``N`` times their memory traffic.
 2. A chain of additions of same-shape tensors (autograd accumulating a
    parameter's gradient over its ``N`` uses) becomes one ``sum`` of their stack.
 3. Each operation gets a level: one more than its inputs' highest. Operations on
@@ -23,9 +32,11 @@ loop it had unrolled:
 4. The groups, level by level, are traced again by ``make_fx`` into one flat
    graph.
 
-Random draws are never batched, and they keep their order: a rolled step draws
-the same numbers as the eager step from the same generator state. The rolled
-graph computes the same values, up to the order of floating-point additions.
+Random draws keep their order, and are batched only where one draw of the stacked
+arguments gives the numbers that the draws give one by one (:func:`_draws_exactly_at_once`),
+unless ``batch_draws`` asks for it: a rolled step draws the same numbers as the
+eager step from the same generator state. The rolled graph computes the same
+values, up to the order of floating-point additions.
 
 Reference: the rewrite is the horizontal batching of "Auto-vectorizing TensorFlow
 graphs: jacobians, auto-batching and beyond" (Agarwal and Ganichev, 2019), here by
@@ -518,10 +529,11 @@ class _Batched:
 
 class RolledStep:
     """
-    Runs a functional graph group by group (the callable that ``make_fx`` traces
+    Runs a traced step's graph group by group (the callable that ``make_fx`` traces
     into the rolled graph).
 
-    :param GraphModule module: the functionalized step.
+    :param GraphModule module: the step, its fresh fills made functional
+        (:func:`replace_fresh_fills`); the writes left in it are run as pinned.
     :param schedule: :func:`plan_groups` of its graph.
     """
 
