@@ -34,7 +34,8 @@ from pyro_tmc.estimate.evaluation import EvaluationPlan
 from pyro_tmc.estimate.scales import ScalePlan, keep_scaled_unit_plates
 from pyro_tmc.estimate.vectorized_markov import reduce_markov_times, unscored_sites
 from pyro_tmc.ops import log_density
-from pyro_tmc.ops.contraction import ChunkedFactor, contract_log_factors, factor_dims
+from pyro_tmc.ops.chunked import ChunkedFactor, factor_dims
+from pyro_tmc.ops.contraction import contract_log_factors
 from pyro_tmc.ops.memory import (
     can_chunk,
     contraction_memory_error,

@@ -33,7 +33,7 @@ import torch
 
 from pyro.poutine import Trace
 
-from pyro_tmc.ops.contraction import ChunkedFactor, factor_dims
+from pyro_tmc.ops.chunked import ChunkedFactor, factor_dims
 
 
 @dataclass

@@ -62,7 +62,7 @@ from pyro.poutine import Trace
 from pyro.poutine.messenger import Messenger
 
 from pyro_tmc.ops.chains import chain_product
-from pyro_tmc.ops.contraction import _contract
+from pyro_tmc.ops.ring import contract_packed
 from pyro_tmc.ops.shapes import packed_view
 from pyro_tmc.poutine.sites import has_particle_dim, own_particle_dim, particle_draw
 
@@ -398,7 +398,8 @@ def _contract_time(inside, outside, time: MarkovTime, plates: frozenset, plate_s
     if local:
         keep = frozenset(batch_plates) | {time.symbol}
         kept = held & (chained | set(batch))
-        links = packed_view(_contract(inside, plate_scales, local | kept, keep, kept), order).expand(shape)
+        per_step = contract_packed(inside, plate_scales, local | kept, keep, kept)
+        links = packed_view(per_step, order).expand(shape)
     else:
         links = sum(packed_view(f, order) for f in inside)
         links = links.expand(shape)

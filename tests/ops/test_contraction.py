@@ -11,7 +11,8 @@ import pyro.distributions as dist
 from pyro.ops.contract import naive_ubersum
 
 from pyro_tmc import TMC_ELBO
-from pyro_tmc.ops.contraction import contract_log_factors, fuse_factors
+from pyro_tmc.ops.contraction import contract_log_factors
+from pyro_tmc.ops.ring import fuse_factors
 
 
 def _packed(tensor, dims):
@@ -143,7 +144,8 @@ def test_one_global_sum_fast_path_equals_general_contraction():
     latent): the direct sum-of-logs then logsumexp equals the ring contraction,
     value and gradient, with subsampling scales on nested plates.
     """
-    from pyro_tmc.ops.contraction import _contract, _contract_one_global_sum, _is_one_global_sum, fuse_factors
+    from pyro_tmc.ops.contraction import _contract_one_global_sum, _is_one_global_sum
+    from pyro_tmc.ops.ring import contract_packed
 
     torch.manual_seed(0)
     shapes = {"k": 5, "a": 3, "b": 4}
@@ -157,7 +159,7 @@ def test_one_global_sum_fast_path_equals_general_contraction():
     scales = {"a": 2.0, "b": 1.5}
     assert _is_one_global_sum(factors, {"k"}, frozenset(scales))
     fast = _contract_one_global_sum(factors, {"k"}, scales)
-    general = _contract(fuse_factors(factors, scales), scales, {"k"})
+    general = contract_packed(fuse_factors(factors, scales), scales, {"k"})
     assert torch.allclose(fast, general, atol=1e-5)
     grads_fast = torch.autograd.grad(fast, factors)
     grads_general = torch.autograd.grad(general, factors)
@@ -189,7 +191,7 @@ def _chain_factors(length, size, plate_size=None, seed=0):
 @pytest.mark.parametrize("plate_size", [None, 3])
 def test_log_depth_chain_equals_sequential_contraction(length, plate_size, monkeypatch):
     """
-    Chains of pairwise factors contracted by a balanced tree (contraction.reduce_chains) give
+    Chains of pairwise factors contracted by a balanced tree (chain_factors.reduce_chains) give
     the sequential contraction's value and gradients, inside a plate (scaled) and outside.
     """
     from pyro_tmc import contraction
@@ -271,13 +273,13 @@ def _stacked_chain_factors(length, size, plate_size=None, shuffle=False, seed=1)
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_stacked_chain_equals_sequential_contraction(plate_size, shuffle, monkeypatch):
     """Links and unary terms taken from their stacks in one operation give the sequential result."""
-    from pyro_tmc import contraction
+    from pyro_tmc.ops import chain_factors, contraction
 
     factors, leaves, scales, stacks = _stacked_chain_factors(11, 3, plate_size, shuffle)
-    assert len(contraction.find_chains(factors, frozenset(scales))) == 1
+    assert len(chain_factors.find_chains(factors, frozenset(scales))) == 1
     taken = []
-    take_rows = contraction._take_rows
-    monkeypatch.setattr(contraction, "_take_rows", lambda *a: taken.append(1) or take_rows(*a))
+    take_rows = chain_factors._take_rows
+    monkeypatch.setattr(chain_factors, "_take_rows", lambda *a: taken.append(1) or take_rows(*a))
     tree = contraction.contract_log_factors(factors, scales, stacks)
     assert len(taken) == 3  # one slice per stack: the two stacks of links, the stack of unary terms
     tree_grads = torch.autograd.grad(tree, leaves, retain_graph=True)
@@ -290,7 +292,7 @@ def test_stacked_chain_equals_sequential_contraction(plate_size, shuffle, monkey
 
 def test_ring_of_pairwise_factors_equals_sequential_contraction(monkeypatch):
     """A cycle z_0 - z_1 - ... - z_7 - z_0: the chain stops before closing it, and the sum is unchanged."""
-    from pyro_tmc import contraction
+    from pyro_tmc.ops import chain_factors, contraction
 
     torch.manual_seed(3)
     symbols = "".join(opt_einsum.get_symbol(i) for i in range(400, 408))
@@ -303,7 +305,7 @@ def test_ring_of_pairwise_factors_equals_sequential_contraction(monkeypatch):
         term = torch.randn(3).requires_grad_()
         term._pyro_dims = symbols[j]
         factors.append(term)
-    (chain,) = contraction.find_chains(factors, frozenset())
+    (chain,) = chain_factors.find_chains(factors, frozenset())
     assert len(chain[0]) == 8  # every node, one link left out
     tree = contraction.contract_log_factors(factors, {})
     monkeypatch.setattr(contraction, "MIN_CHAIN_LENGTH", 10**9)

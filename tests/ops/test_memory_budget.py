@@ -506,7 +506,7 @@ def test_max_factor_bytes_values():
 
 def test_chunked_factor_checked_slice_by_slice(monkeypatch):
     """A non-finite estimate names the site of a chunked factor without building it whole."""
-    from pyro_tmc.ops.contraction import ChunkedFactor
+    from pyro_tmc.ops.chunked import ChunkedFactor
 
     def nan_model(x):
         theta = pyro.sample("theta", dist.Normal(0.0, 1.0))
@@ -619,7 +619,7 @@ def test_elimination_group_sums_a_chain_that_a_chunked_global_reads():
     The group that eliminates a chunked global read by every step of a chain: the smallest keeps
     every step (a message of K^T elements); past the slice's size, the steps are summed inside.
     """
-    from pyro_tmc.ops.contraction import ChunkedFactor, elimination_group
+    from pyro_tmc.ops.chunked import ChunkedFactor, elimination_group
 
     K, T = 4, 6
     steps = "hijklm"[:T]
