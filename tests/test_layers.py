@@ -24,8 +24,6 @@ TOP = len(LAYERS)
 
 #: upward imports that remain, each with why, to be removed
 KNOWN_UPWARD = {
-    # the budget reads a site's particle dim: its site-level half belongs in estimate/
-    ("pyro_tmc.ops.memory", "pyro_tmc.poutine.sites"),
     # a draw asks the estimate program; TMC_ELBO builds its step and estimate programs
     # (item 2: compile wraps infer's step from outside)
     ("pyro_tmc.infer.draw", "pyro_tmc.compile.compiled"),

@@ -29,8 +29,9 @@ path), not the plan's.
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Union
 
+from pyro_tmc.estimate.budget import factor_budget
 from pyro_tmc.estimate.scales import ScalePlan
-from pyro_tmc.ops.memory import AUTO, factor_budget, itemsize
+from pyro_tmc.ops.memory import AUTO, itemsize
 
 if TYPE_CHECKING:  # compiled imports factors, which reads this module
     from pyro_tmc.compile.compiled import EstimateProgram

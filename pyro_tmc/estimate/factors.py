@@ -29,6 +29,7 @@ from pyro.ops.packed import pack
 from pyro.poutine import Trace
 
 from pyro_tmc.estimate.batched_densities import SiteDensities, site_densities
+from pyro_tmc.estimate.budget import can_chunk
 from pyro_tmc.estimate.checks import log_prob_error, packing_error
 from pyro_tmc.estimate.evaluation import EvaluationPlan
 from pyro_tmc.estimate.scales import ScalePlan, keep_scaled_unit_plates
@@ -37,7 +38,6 @@ from pyro_tmc.ops import log_density
 from pyro_tmc.ops.chunked import ChunkedFactor, factor_dims
 from pyro_tmc.ops.contraction import contract_log_factors
 from pyro_tmc.ops.memory import (
-    can_chunk,
     contraction_memory_error,
     itemsize,
     naming_the_site,

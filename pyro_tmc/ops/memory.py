@@ -1,7 +1,9 @@
 """How much memory a log factor may take (max_factor_bytes="auto"), and the error when it cannot fit.
 
-A factor is built whole, or, above the budget, slice by slice along its site's
-particle dim (:class:`~pyro_tmc.ops.contraction.ChunkedFactor`). The default budget
+Bytes and memory only: the budget of a draw's factors, which reads its sites, is
+:func:`pyro_tmc.estimate.budget.factor_budget`. A factor is built whole, or, above the
+budget, slice by slice along its site's particle dim
+(:class:`~pyro_tmc.ops.chunked.ChunkedFactor`). The default budget
 is a share of the memory actually available when the factors are built: the
 host's (``MemAvailable`` in ``/proc/meminfo``, less where a cgroup limit or
 ``RLIMIT_AS`` allows less) or, for factors on a CUDA device, the device's free
@@ -18,9 +20,6 @@ from contextlib import contextmanager
 from typing import Optional, Union
 
 import torch
-
-from pyro_tmc.ops.shapes import log_prob_shape, particle_shape
-from pyro_tmc.poutine.sites import has_particle_dim, own_particle_dim
 
 #: the default of ``max_factor_bytes``: a share of the available memory
 AUTO = "auto"
@@ -143,51 +142,6 @@ def itemsize() -> int:
     return torch.finfo(torch.get_default_dtype()).bits // 8
 
 
-def can_chunk(site) -> bool:
-    """Whether a site's ``log p`` can be built in slices: a latent with more than 2 particles."""
-    return (
-        not site["is_observed"]
-        and has_particle_dim(site)
-        and particle_shape(site)[own_particle_dim(site)] > 2
-    )
-
-
-def factor_budget(model_trace, max_factor_elements) -> Optional[int]:
-    """
-    The budget, in elements, for each log factor of a draw: ``max_factor_elements``
-    as given, or under ``"auto"`` (:data:`AUTO`) a share of the memory available on
-    the largest factor's device (:func:`auto_budget_bytes`), read only where that
-    factor is large; ``None`` builds every factor whole.
-
-    :param model_trace: the draw's model trace (its sample sites' shapes are read).
-    :raises FactorMemoryError: under ``"auto"``, where a factor's smallest slice (2
-        particles of its site, or the whole factor if it cannot be sliced) is larger
-        than the memory available.
-    """
-    if max_factor_elements != AUTO:
-        return max_factor_elements
-    sites = [site for site in model_trace.nodes.values() if site["type"] == "sample"]
-    size = itemsize()
-    # a bound first, of C calls only (value and batch both whole): a small model stops here
-    bound = max((site["value"].numel() * site["fn"].batch_shape.numel() for site in sites), default=0)
-    if bound * size <= AUTO_MIN_BYTES:
-        return None
-    sizes = [math.prod(log_prob_shape(site)) for site in sites]  # shape arithmetic only
-    largest = max(range(len(sites)), key=sizes.__getitem__)
-    device = sites[largest]["value"].device
-    budget = auto_budget_bytes(sizes[largest] * size, device)
-    if budget is None:
-        return None
-    available = available_bytes(device)
-    for site, numel in zip(sites, sizes):
-        if numel * size > budget:
-            num_particles = particle_shape(site)[own_particle_dim(site)] if can_chunk(site) else 2
-            smallest = 2 * numel // num_particles
-            if smallest * size > available:
-                raise factor_memory_error(site["name"], smallest * size, AUTO, available, smallest_slice=True)
-    return budget // size
-
-
 def format_bytes(num_bytes: int) -> str:
     """``17179869184`` -> ``'17.2 GB (17179869184 bytes)'``."""
     if num_bytes < 1000:
@@ -209,8 +163,8 @@ def factor_memory_error(
     The error for the log-density factor of ``site``, which needs ``needed`` bytes
     (``None``: unknown) where ``available`` are free (``None``: not read), under
     ``max_factor_bytes``; ``smallest_slice``: ``needed`` is its smallest slice;
-    ``sliceable``: a budget can slice the factor (:func:`can_chunk`), so that a
-    smaller one would help.
+    ``sliceable``: a budget can slice the factor
+    (:func:`~pyro_tmc.estimate.budget.can_chunk`), so that a smaller one would help.
     """
     need = f"needs {format_bytes(needed)}" if needed else "does not fit in memory"
     need += " even in its smallest slice" if smallest_slice else ""
@@ -249,7 +203,8 @@ def site_memory_error(
     where ``error`` is torch's out-of-memory error (CPU or CUDA); ``None`` for any other
     error. Called from an ``except`` clause, so that the step pays nothing where nothing fails.
 
-    :param bool sliceable: whether a budget can slice the site's factor (:func:`can_chunk`).
+    :param bool sliceable: whether a budget can slice the site's factor
+        (:func:`~pyro_tmc.estimate.budget.can_chunk`).
     """
     needed = allocation_failure_bytes(error)
     if needed is None:
