@@ -31,10 +31,7 @@ KNOWN_UPWARD = {
     ("pyro_tmc.infer.tmc_elbo", "pyro_tmc.compile.compiled"),
 }
 #: import cycles that remain (each a set of modules), to be removed
-KNOWN_CYCLES = [
-    # the estimate program compiles in a child process, which builds estimate programs
-    {"pyro_tmc.compile.background_compile", "pyro_tmc.compile.compiled"},
-]
+KNOWN_CYCLES: list = []
 
 
 def _modules():

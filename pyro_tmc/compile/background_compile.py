@@ -63,8 +63,9 @@ class BackgroundCompile:
 
     :param graph: the captured step's graph.
     :param dict settings: inductor's settings (``torch._inductor.compile``'s ``options``).
-    :param compile_in_process: ``(graph, examples, settings) -> compiled``, the compile
-        that this process runs once the child has filled inductor's cache.
+    :param compile_in_process: ``(graph, examples, settings) -> compiled``, the compile that
+        the child runs to fill inductor's cache (pickled by reference: a module-level function,
+        or a ``functools.partial`` of one), and this process again once the child is done.
     """
 
     def __init__(self, graph: torch.fx.GraphModule, settings: dict, compile_in_process: Callable) -> None:
@@ -100,7 +101,7 @@ class BackgroundCompile:
         specs: list[_Spec] = [(tuple(t.shape), t.stride(), t.dtype, str(t.device)) for t in inputs]
         try:
             self._blob = pickle.dumps(self.graph)
-            job = pickle.dumps((self._blob, specs, self.settings))
+            job = pickle.dumps((self._blob, specs, self.settings, self.compile_in_process))
         except Exception as error:  # e.g. a graph holding a subgraph that does not pickle
             self._compile_here(inputs, f"the graph does not pickle ({error})")
             return
@@ -166,16 +167,14 @@ def _compile_job(path: str) -> None:
     import torch._dynamo  # noqa: F401 (inductor's tracing expects dynamo's modules loaded)
     import torch._higher_order_ops.triton_kernel_wrap  # noqa: F401
 
-    from pyro_tmc.compile.compiled import compile_captured_graph
-
     with open(path, "rb") as file:
-        blob, specs, settings = pickle.load(file)
+        blob, specs, settings, compile_graph = pickle.load(file)
     graph = pickle.loads(blob)
     examples = [
         torch.empty_strided(shape, stride, dtype=dtype, device=device)
         for shape, stride, dtype, device in specs
     ]
-    compile_captured_graph(graph, examples, settings)
+    compile_graph(graph, examples, settings)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ The contract, as Pyro's ``JitTrace_ELBO`` states its own:
   capture is each tensor argument's shape, dtype, device and ``requires_grad``,
   each other argument's value (or identity), the default dtype, and the
   parameters' names and shapes. A new key means a new capture (at most
-  :data:`MAX_CAPTURES` per loss).
+  ``max_captures`` per loss: :class:`~pyro_tmc.compile.config.CompileConfig` holds the settings).
 - **The first step of a key runs eagerly**, with every check when validation is
   on; the second is captured (and returns its values); the rest are replayed.
 - **What cannot be captured runs eagerly, with one warning saying why**: a branch
@@ -39,7 +39,7 @@ The contract, as Pyro's ``JitTrace_ELBO`` states its own:
   from the same random state, where the products are repaired and a bad site is
   named.
 
-A captured step whose forward has more than :data:`ROLL_ABOVE` operations (a long
+A captured step whose forward has more than ``roll_above`` operations (a long
 ``pyro.markov`` loop, about ten per step) is rolled (:mod:`pyro_tmc.compile.loop_rolling`): its
 repeated blocks become one batched operation each, and the backward is traced through
 the rolled forward, so a 1,000-step chain is traced once, not twice, step by step, and
@@ -77,6 +77,7 @@ from pyro_tmc.compile.compiled import (
     uses_cuda_graphs,
     warn_fallback,
 )
+from pyro_tmc.compile.config import CompileConfig
 from pyro_tmc.compile.forward_trace import (
     GradModeMarks,
     HookWatch,
@@ -94,39 +95,9 @@ from pyro_tmc.ops.log_einsum import (
     merge_repair_counts,
 )
 
-#: keys captured per loss: an argument whose shape changes every step stops being captured after this many
-MAX_CAPTURES = 8
-
-#: a captured step with more operations than this is not compiled by inductor (its compile
-#: time grows with them: docs/performance.md, "The defaults, and why"); it is replayed
-#: uncompiled instead (``StepProgram.max_inductor_nodes``; ``None``: no limit)
-MAX_INDUCTOR_NODES = 3000
-
-#: a captured step whose forward has more operations than this is rolled
-#: (:mod:`pyro_tmc.compile.loop_rolling`):
-#: its repeated blocks, a ``pyro.markov`` loop's steps, batched into one operation each; the whole
-#: step, its backward included, has about three times as many (``StepProgram.roll_above``; ``None``: never)
-ROLL_ABOVE = 400
-
-#: a forward is rolled only if its groups are at most this share of its operations: above it,
-#: the stacking and unbinding that rolling adds outweigh what it batches. The shares (forward
-#: operations after dead-code elimination): the HMM of 200 steps 0.26, Fig. 4's chain 0.40
-#: (N=100) to 0.73 (N=12); the MNIST VAE 0.81-0.82, whose rolled whole step had 2,871
-#: operations against 2,304 unrolled and replayed slower under inductor
-ROLL_AT_MOST = 0.78
-
 #: a rolled graph's ``meta`` key: how many operations the graph it was rolled from had (its
 #: forward's, or, for a step with a custom backward, the whole step's)
 ROLLED_FROM = "pyro_tmc_rolled_from"
-
-#: see :func:`builds_wrapper_apart`
-WRAPPER_APART_MEAN_SIZE = 2**15
-
-#: uncompiled replays timed against the eager step before a key settles on the faster
-TIMED_REPLAYS = 3
-
-#: default for ``check_every``: one eager step in this many compares the model's structure with the capture
-CHECK_EVERY = 100
 
 
 # -- what a step is, for a key ------------------------------------------------------------
@@ -345,6 +316,7 @@ def capture_step(
     repair_counts: Optional[list] = None,
     roll_above: Optional[int] = None,
     batch_draws: bool = False,
+    roll_at_most: float = CompileConfig.roll_at_most,
 ) -> "Capture":
     """
     Trace ``differentiable_loss(*args, **kwargs)`` and its gradient with respect
@@ -362,6 +334,8 @@ def capture_step(
     :param int roll_above: roll a step of more forward operations than this
         (``None``: never).
     :param bool batch_draws: see :func:`~pyro_tmc.compile.loop_rolling.plan_groups`.
+    :param float roll_at_most: roll a forward whose groups are at most this share of its
+        operations (``CompileConfig.roll_at_most``).
 
     :returns: the graphs, and the structure the trace recorded.
     :raises GraphFallback: where tracing fails (a branch on values, a tensor read
@@ -411,7 +385,9 @@ def capture_step(
             forward_graph = make_fx(forward, tracing_mode="fake")(*as_leaves(inputs, num_params))
             _check_buffers_read_only(forward_graph, buffers, num_params + num_arguments)
             if not own_backward[-1]:
-                program = _backward_of(forward_graph, inputs, num_params, roll_above, batch_draws)
+                program = _backward_of(
+                    forward_graph, inputs, num_params, roll_above, batch_draws, roll_at_most
+                )
                 return Capture(program, forward_graph, recorded[0], buffers)
             # its own backward, as autograd runs it: about three operations per forward one
             whole = derive_backward(run_loss, inputs, num_params)
@@ -483,18 +459,19 @@ def _backward_of(
     num_params: int,
     roll_above: Optional[int],
     batch_draws: bool,
+    roll_at_most: float,
 ) -> torch.fx.GraphModule:
     """
     The whole step's graph from its traced forward: the forward rolled where it has
     more than ``roll_above`` operations and rolling batches them into at most
-    :data:`ROLL_AT_MOST` as many groups, then its backward traced through it.
+    ``roll_at_most`` as many groups, then its backward traced through it.
     """
     forward.graph.eliminate_dead_code()
     if roll_above is not None and count_operations(forward) > roll_above:
         try:
             runner = rolled_runner(forward, batch_draws)
             operations = count_operations(forward)
-            if count_groups(runner) <= ROLL_AT_MOST * operations:
+            if count_groups(runner) <= roll_at_most * operations:
                 # autograd's backward of the rolled forward still has a few per-step leftovers (the
                 # zero gradients of an unbind's unused outputs): rolled in turn
                 graph = _rolled(derive_backward(runner, inputs, num_params), inputs, roll_above, batch_draws)
@@ -573,27 +550,43 @@ def _fallback_reason(error: Exception, read_a_value: bool = False) -> str:
     return message
 
 
+class _ConfigField:
+    """``step_program.<name>``: the loss's ``CompileConfig`` field of that name, read and set there."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, program, owner=None):
+        return self if program is None else getattr(program.config, self.name)
+
+    def __set__(self, program, value) -> None:
+        setattr(program.config, self.name, value)
+
+
 class StepProgram:
     """
     The captured steps of one loss, keyed by the step's arguments (see the module docstring).
 
     :param str mode: ``"graph"`` (replay the traced operations) or ``"inductor"``
         (``torch.compile`` them).
-    :param dict options: keyword arguments for ``torch.compile`` (``"inductor"`` only).
-    :param int check_every: one step in this many, per key, runs eagerly and
-        compares the model's structure with the capture.
+    :param CompileConfig config: the loss's settings.
     """
 
-    def __init__(self, mode: str, options: Optional[dict] = None, check_every: int = CHECK_EVERY) -> None:
+    #: the settings the docs told users to set here: each is the loss's ``compile_config``'s
+    check_every = _ConfigField()
+    max_inductor_nodes = _ConfigField()
+    roll_above = _ConfigField()
+    batch_draws = _ConfigField()
+    choose_faster = _ConfigField()
+    compile_in_background = _ConfigField()
+
+    def __init__(self, mode: str, config: CompileConfig) -> None:
         if mode not in MODES[1:]:
             raise ValueError(f"compile must be one of {MODES}, got {mode!r}")
-        if not isinstance(check_every, int) or check_every < 1:
-            raise ValueError(f"check_every must be a positive int, got {check_every!r}")
         self.mode = mode
-        self.options = dict(options or {})
-        self.check_every = check_every
+        self.config = config
         #: CUDA graphs (torch.compile's "reduce-overhead" and "max-autotune" modes) reuse output buffers
-        self._outputs_reused = mode == "inductor" and uses_cuda_graphs(self.options)
+        self._outputs_reused = mode == "inductor" and uses_cuda_graphs(config)
         self._steps: dict[tuple, CapturedStep] = {}
         self._seen: dict[tuple, int] = {}  # key -> steps taken
         self._refitted: set = set()  # keys captured again because their repairs were too small
@@ -601,18 +594,6 @@ class StepProgram:
         #: (:func:`~pyro_tmc.ops.log_einsum.merge_repair_counts`):
         #: a capture's repairs are sized by all of them, not by its own eager run alone
         self._repairs: dict[tuple, list[RepairCount]] = {}
-        self.max_inductor_nodes = MAX_INDUCTOR_NODES
-        self.roll_above = ROLL_ABOVE
-        #: whether a rolled step batches its random draws too: fewer operations, but not the
-        #: eager step's numbers from the same generator state (:func:`~pyro_tmc.compile.loop_rolling.roll`);
-        #: ``None``: only under inductor on CUDA (:func:`batches_draws`)
-        self.batch_draws: Optional[bool] = None
-        #: an uncompiled replay slower than the eager step gives way to it (:meth:`_settle`)
-        self.choose_faster = True
-        #: under inductor: compile in a child process, replaying the uncompiled graph until it is
-        #: done (:mod:`pyro_tmc.compile.background_compile`): training starts after the capture, but which
-        #: step is the first compiled one depends on the machine's speed
-        self.compile_in_background = False
         self.captures = 0  # how many steps were captured (tests read it)
         self.replays = 0
         self._warned = False
@@ -639,7 +620,7 @@ class StepProgram:
         captured = self._steps.get(key)
         if captured is not None and captured.program is None:
             return eager_step(args, kwargs)  # this key runs eagerly for good
-        if captured is None and count > 0 and len(self._steps) >= MAX_CAPTURES:
+        if captured is None and count > 0 and len(self._steps) >= self.config.max_captures:
             return eager_step(args, kwargs)
         # the eager steps of a key that is, or will be, captured are few: they compute the estimate
         # eagerly rather than trace (and compile, far dearer than a step) an estimate program
@@ -740,6 +721,7 @@ class StepProgram:
                 repair_counts,
                 roll_above=self.roll_above,
                 batch_draws=batches_draws(self.batch_draws, self.mode, devices),
+                roll_at_most=self.config.roll_at_most,
             )
         except GraphFallback as reason:
             self._steps[key] = CapturedStep(None, None, names, [], [])
@@ -758,7 +740,10 @@ class StepProgram:
         if self.mode == "inductor" and not self._too_large(program):
             _write_code(program)
             captured.program = compiled_step_graph(
-                program, self.options, self.compile_in_background, wrapper_apart=builds_wrapper_apart(program)
+                program,
+                self.config,
+                self.compile_in_background,
+                wrapper_apart=builds_wrapper_apart(program, self.config.wrapper_apart_mean_size),
             )
             captured.uncompiled = program
             captured.eager_seconds = None  # compiled: not timed against eager
@@ -775,7 +760,7 @@ class StepProgram:
             f"blocks), above max_inductor_nodes={self.max_inductor_nodes}: inductor would take minutes "
             "to compile it, so it is replayed uncompiled (or run eagerly, whichever is faster). "
             "pyro.contrib.funsor.vectorized_markov writes a long chain as a few stacked "
-            "operations. To compile anyway, set loss.step_program.max_inductor_nodes = None.",
+            "operations. To compile anyway, set loss.compile_config.max_inductor_nodes = None.",
             RuntimeWarning,
             stacklevel=5,
         )
@@ -835,7 +820,7 @@ class StepProgram:
         draw it was sized by was a lucky one); if that happens again, it runs eagerly:
         each step would be paid twice.
         """
-        if captured.attempts < TIMED_REPLAYS + 1 or 2 * captured.redone <= captured.attempts:
+        if captured.attempts < self.config.timed_replays + 1 or 2 * captured.redone <= captured.attempts:
             return
         if key not in self._refitted:
             self._refitted.add(key)
@@ -856,23 +841,23 @@ class StepProgram:
         Time an uncompiled replay against the eager step: replaying decomposed operations
         one by one, backward included, is slower than eager for a model whose step is
         tensor work with little Python (a long chain of stacked densities). After
-        :data:`TIMED_REPLAYS` replays, alternating with eager steps, the key keeps the
+        ``timed_replays`` replays, alternating with eager steps, the key keeps the
         faster of the two (by their fastest times, which noise inflates least). A replay
         redone eagerly is not timed (:meth:`_give_up_if_mostly_redone` deals with those).
         """
         captured.replay_seconds.append(seconds)
-        if len(captured.replay_seconds) < TIMED_REPLAYS:
+        if len(captured.replay_seconds) < self.config.timed_replays:
             return
         if min(captured.replay_seconds) > min(captured.eager_seconds):
             captured.program = None  # eager from now on; checks and read-outs are unchanged
         captured.eager_seconds = None
 
 
-def builds_wrapper_apart(graph: torch.fx.GraphModule) -> bool:
+def builds_wrapper_apart(graph: torch.fx.GraphModule, mean_size: int) -> bool:
     """
     Whether inductor builds a step's C++ wrapper apart from its kernels, at -O1
-    (:data:`~pyro_tmc.compile.compiled.WRAPPER_APART_SETTINGS`): for a step rolled from a long loop
-    whose operations average at least :data:`WRAPPER_APART_MEAN_SIZE` elements, so that the
+    (``CompileConfig.wrapper_apart_settings``): for a step rolled from a long loop
+    whose operations average at least ``mean_size`` elements, so that the
     wrapper's dearer calls are lost in the kernels' work. Mean output sizes: Fig. 4's
     1,000-link chain 122,530 (built apart, its replay is unchanged); its 100-link chain
     16,929; the HMM of 200 steps 5,057 and the toy, not rolled, whose replays built apart
@@ -885,12 +870,12 @@ def builds_wrapper_apart(graph: torch.fx.GraphModule) -> bool:
         for node in graph.graph.nodes
         if node.op == "call_function" and isinstance(node.meta.get("val"), torch.Tensor)
     ]
-    return bool(sizes) and sum(sizes) >= WRAPPER_APART_MEAN_SIZE * len(sizes)
+    return bool(sizes) and sum(sizes) >= mean_size * len(sizes)
 
 
 def batches_draws(setting: Optional[bool], mode: str, devices: set[str]) -> bool:
     """
-    Whether a rolled step batches its like random draws (``StepProgram.batch_draws``).
+    Whether a rolled step batches its like random draws (``CompileConfig.batch_draws``).
     By default (``None``) only a step that inductor compiles on CUDA does: CUDA draws a
     batch in other numbers than one by one, so each of a chain's N draws would stay an
     operation of its own, N kernels a replay and N more operations for inductor (Fig. 4's

@@ -21,9 +21,10 @@ A draw the tracer cannot handle (a branch on tensor values, a tensor that is not
 among the inputs, a custom ``autograd.Function``, a memory budget) falls back to
 the eager path, with one warning per plan. A shape change is a new key, hence a
 new graph: the graph is traced again only when the plan changes, and at most
-:data:`MAX_PLANS` times per loss. A draw in which a log-space product underflowed
-(the graph flags it: :func:`pyro_tmc.ops.log_einsum.deferred_underflow_checks`) is
-computed again eagerly, where the product is repaired.
+``max_plans`` times per loss (:class:`~pyro_tmc.compile.config.CompileConfig`). A draw in
+which a log-space product underflowed (the graph flags it:
+:func:`pyro_tmc.ops.log_einsum.deferred_underflow_checks`) is computed again eagerly, where
+the product is repaired.
 
 What the key must hold, because the graph bakes it in: every Python value the
 factor code reads (distribution fields, transforms' fields, ``infer`` entries,
@@ -36,6 +37,7 @@ new one is a new plan rather than a stale constant.
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import itertools
 import warnings
 from collections.abc import Iterator
@@ -48,6 +50,7 @@ from torch.distributions.transforms import Transform, _InverseTransform  # t.inv
 from pyro.poutine import Trace
 
 from pyro_tmc.compile.background_compile import BackgroundCompile
+from pyro_tmc.compile.config import CompileConfig, compile_config
 from pyro_tmc.compile.forward_trace import custom_backward
 from pyro_tmc.estimate.checks import validate_samples
 from pyro_tmc.estimate.evaluation import EvaluationPlan
@@ -57,30 +60,6 @@ from pyro_tmc.ops.log_einsum import any_flag, deferred_underflow_checks
 from pyro_tmc.poutine.proposals import ProposalStrategy
 
 MODES = (None, "graph", "inductor")
-
-#: inductor settings passed with each ``torch.compile`` call (never set process-wide). In a
-#: captured step many nodes read the same buffer, and for each buffer inductor's fusion search
-#: tries every node against its next 64 (default): 250k candidate pairs for Fig. 4's 1,000-link
-#: chain. 16 shortens the compile and leaves the replay as it was (the figures:
-#: docs/performance.md, "The defaults, and why").
-INDUCTOR_SETTINGS = {"max_fusion_buffer_group_pairwise_attempts": 16}
-
-#: inductor settings tried first for a captured step on the CPU (:func:`compile_captured_graph`),
-#: unless ``compile_options`` set them: the code that calls the kernels written in C++ rather
-#: than Python. A replay then skips Python's cost per kernel and library call, and g++ compiles
-#: one file instead of one per kernel (the figures: docs/performance.md, "The defaults, and why").
-CPU_STEP_SETTINGS = {"cpp_wrapper": True}
-
-#: inductor settings added for a captured step whose C++ wrapper is built apart
-#: (:func:`pyro_tmc.compile.captured_step.builds_wrapper_apart`), unless ``compile_options`` set them: the
-#: wrapper (one function with a statement or more per kernel and library call) at -O1, the
-#: kernels still at -O3: g++ at -O3 spends much of a long step's compile on that one function.
-#: At -O1 each call costs a little more, which shows where the kernels are small, so only steps
-#: of large operations build it apart (docs/performance.md, "The defaults, and why").
-WRAPPER_APART_SETTINGS = {"cpp_wrapper_build_separate": True}
-
-#: plans kept per loss: a model whose plan changes every step stops being traced after this many
-MAX_PLANS = 16
 
 
 class _Leaf:
@@ -396,16 +375,18 @@ class EstimateProgram:
 
     :param str mode: ``"graph"`` (replay the traced operations eagerly) or
         ``"inductor"`` (``torch.compile`` them: fused kernels).
-    :param dict options: keyword arguments for ``torch.compile`` (``"inductor"`` only).
+    :param options: the loss's ``compile_options`` (:func:`~pyro_tmc.compile.config.compile_config`).
+    :param int check_every: the loss's ``check_every``, if given.
     """
 
-    def __init__(self, mode: str, options: Optional[dict] = None) -> None:
+    def __init__(self, mode: str, options=None, check_every: Optional[int] = None) -> None:
         if mode not in MODES[1:]:
             raise ValueError(f"compile must be one of {MODES}, got {mode!r}")
-        if options and mode != "inductor":
+        config = compile_config(options, check_every)
+        if config.torch_compile and mode != "inductor":
             raise ValueError("compile_options are torch.compile's: they need compile='inductor'")
         self.mode = mode
-        self.options = dict(options or {})
+        self.config = config
         self._programs: dict[tuple, Optional[Callable]] = {}
         self.traces = 0  # how many graphs were traced (a test reads it)
         self._warned_plans = False
@@ -427,7 +408,7 @@ class EstimateProgram:
         flat = flatten_draw(draw, sources, detach_guide_proposals)
         program = self._programs.get(flat.key, _MISSING)
         if program is _MISSING:
-            if len(self._programs) >= MAX_PLANS:
+            if len(self._programs) >= self.config.max_plans:
                 self._warn_too_many_plans()
                 return None
             program = self._build(flat, detach_guide_proposals)
@@ -447,7 +428,7 @@ class EstimateProgram:
         if not self._warned_plans:
             self._warned_plans = True
             warnings.warn(
-                f"pyro_tmc traced {MAX_PLANS} different plans of this model's estimate (its "
+                f"pyro_tmc traced {self.config.max_plans} different plans of this model's estimate (its "
                 "structure, shapes or the objects its distributions hold change from step to "
                 "step); new ones now run eagerly. Keep shapes fixed (e.g. drop_last=True) to "
                 "benefit from compile=.",
@@ -463,22 +444,22 @@ class EstimateProgram:
             return None
         self.traces += 1
         if self.mode == "inductor":
-            return compiled_keeping_validation(_for_inductor(graph, self.options), self.options)
+            return compiled_keeping_validation(_for_inductor(graph, self.config), self.config)
         return graph
 
 
 _MISSING = object()
 
 
-def compile_keywords(options: dict) -> dict:
+def compile_keywords(config: CompileConfig) -> dict:
     """
-    The keyword arguments for ``torch.compile`` given a loss's ``compile_options``:
+    The keyword arguments for ``torch.compile`` given a loss's ``config.torch_compile``:
     static shapes (a new shape is a new capture) and :func:`inductor_settings`,
-    unless ``options`` say otherwise. ``torch.compile`` takes a ``mode`` or
+    unless those keywords say otherwise. ``torch.compile`` takes a ``mode`` or
     ``options``, not both, so a mode goes in as the settings it stands for
-    (``torch._inductor.list_mode_options``). Another backend gets ``options`` as given.
+    (``torch._inductor.list_mode_options``). Another backend gets the keywords as given.
     """
-    keywords = {"dynamic": False, **options}
+    keywords = {"dynamic": False, **config.torch_compile}
     if keywords.get("backend", "inductor") != "inductor":
         return keywords
     mode = keywords.pop("mode", None)
@@ -487,16 +468,17 @@ def compile_keywords(options: dict) -> dict:
         from torch._inductor import list_mode_options  # imported only when asked: inductor is heavy
 
         from_mode = list_mode_options(mode)
-    keywords["options"] = {**inductor_settings(), **from_mode, **(keywords.get("options") or {})}
+    keywords["options"] = {**inductor_settings(config), **from_mode, **(keywords.get("options") or {})}
     return keywords
 
 
-def inductor_settings() -> dict:
+def inductor_settings(config: Optional[CompileConfig] = None) -> dict:
     """
-    :data:`INDUCTOR_SETTINGS` that this torch's inductor has (an older one refuses an unknown
-    key), and :class:`~pyro_tmc.compile.bmm_layout.BatchMajorBmmInputs` as its post-grad pass.
+    ``config.inductor_settings`` (the defaults' without one) that this torch's inductor has (an
+    older one refuses an unknown key), and :class:`~pyro_tmc.compile.bmm_layout.BatchMajorBmmInputs`
+    as its post-grad pass.
     """
-    settings = _available(INDUCTOR_SETTINGS)
+    settings = _available((config or CompileConfig()).inductor_settings)
     try:
         from pyro_tmc.compile.bmm_layout import BATCH_MAJOR_BMM_INPUTS
     except ImportError:  # a torch without custom graph passes: inductor as it is
@@ -512,14 +494,14 @@ def _available(settings: dict) -> dict:
     return {key: value for key, value in settings.items() if hasattr(inductor_config, key)}
 
 
-def uses_cuda_graphs(options: dict) -> bool:
-    """Whether ``torch.compile`` with these ``compile_options`` replays CUDA graphs."""
-    settings = compile_keywords(options).get("options") or {}
+def uses_cuda_graphs(config: CompileConfig) -> bool:
+    """Whether ``torch.compile`` with ``config.torch_compile`` replays CUDA graphs."""
+    settings = compile_keywords(config).get("options") or {}
     return bool(settings.get("triton.cudagraphs", False))
 
 
 def compiled_step_graph(
-    graph: torch.fx.GraphModule, options: dict, background: bool = False, wrapper_apart: bool = False
+    graph: torch.fx.GraphModule, config: CompileConfig, background: bool = False, wrapper_apart: bool = False
 ) -> Callable:
     """
     Inductor's compile of a captured step's graph, made from the graph itself
@@ -532,19 +514,20 @@ def compiled_step_graph(
     backward, so it is compiled for inference; it must be called without grad.
     CUDA graphs (a ``mode`` such as ``"reduce-overhead"``) and another backend
     go through ``torch.compile``. With ``wrapper_apart``, the settings also have
-    :data:`WRAPPER_APART_SETTINGS`.
+    ``config.wrapper_apart_settings``.
     """
-    graph = _for_inductor(graph, options)
-    keywords = compile_keywords(options)
+    graph = _for_inductor(graph, config)
+    keywords = compile_keywords(config)
     settings = keywords.get("options") or {}
     if settings.get("fallback_random", background):  # a background compile keeps torch's draws by default
         with_torchs_own_bernoulli(graph)
     if keywords.get("backend", "inductor") != "inductor" or settings.get("triton.cudagraphs", False):
-        return compiled_keeping_validation(graph, options)
+        return compiled_keeping_validation(graph, config)
     if wrapper_apart:
-        settings = {**_available(WRAPPER_APART_SETTINGS), **settings}
+        settings = {**_available(config.wrapper_apart_settings), **settings}
+    compile_graph = functools.partial(compile_captured_graph, cpu_settings=config.cpu_step_settings)
     if background:
-        return BackgroundCompile(graph, settings, compile_captured_graph)
+        return BackgroundCompile(graph, settings, compile_graph)
     compiled: Optional[Callable] = None
 
     def run(*inputs: torch.Tensor):
@@ -553,7 +536,7 @@ def compiled_step_graph(
         # recompiles it for others (a key holds shapes, not strides); a no-op for the usual inputs
         inputs = tuple(t.contiguous() for t in inputs)
         if compiled is None:
-            compiled = compile_captured_graph(graph, [t.detach() for t in inputs], settings)
+            compiled = compile_graph(graph, [t.detach() for t in inputs], settings)
         return compiled(*inputs)
 
     return run
@@ -570,9 +553,9 @@ _WRITES_INTO_A_COPY = (
 )
 
 
-def _for_inductor(graph: torch.fx.GraphModule, options: dict) -> torch.fx.GraphModule:
+def _for_inductor(graph: torch.fx.GraphModule, config: CompileConfig) -> torch.fx.GraphModule:
     """The graph as inductor must see it (:func:`with_written_destinations_materialized`); else as it is."""
-    if compile_keywords(options).get("backend", "inductor") != "inductor":
+    if compile_keywords(config).get("backend", "inductor") != "inductor":
         return graph
     return with_written_destinations_materialized(graph)
 
@@ -644,18 +627,18 @@ def _broadcast(tensor: torch.Tensor) -> bool:
 
 
 def compile_captured_graph(
-    graph: torch.fx.GraphModule, examples: list[torch.Tensor], settings: dict
+    graph: torch.fx.GraphModule, examples: list[torch.Tensor], settings: dict, cpu_settings: dict
 ) -> Callable:
     """
     ``torch._inductor.compile`` of a captured step's graph, in a :func:`_cacheable_compile`
-    context. For CPU inputs, unless ``settings`` name them, :data:`CPU_STEP_SETTINGS` are tried
-    first and, should that compile fail, dropped: the default never compiles less than
-    inductor's own settings do.
+    context. For CPU inputs, unless ``settings`` name them, ``cpu_settings``
+    (``CompileConfig.cpu_step_settings``) are tried first and, should that compile fail,
+    dropped: the default never compiles less than inductor's own settings do.
     """
     on_cpu = all(example.device.type == "cpu" for example in examples)
-    if on_cpu and not CPU_STEP_SETTINGS.keys() & settings.keys():
+    if on_cpu and not cpu_settings.keys() & settings.keys():
         try:
-            return _inductor_compile(graph, examples, {**CPU_STEP_SETTINGS, **settings})
+            return _inductor_compile(graph, examples, {**cpu_settings, **settings})
         except Exception:  # e.g. an operation the C++ wrapper cannot call: inductor's defaults below
             pass
     return _inductor_compile(graph, examples, settings)
@@ -684,9 +667,9 @@ def _cacheable_compile() -> Iterator[None]:
         yield
 
 
-def compiled_keeping_validation(program: Callable, options: dict) -> Callable:
+def compiled_keeping_validation(program: Callable, config: CompileConfig) -> Callable:
     """
-    ``torch.compile`` of ``program`` (with :func:`compile_keywords` of ``options``),
+    ``torch.compile`` of ``program`` (with :func:`compile_keywords` of ``config``),
     made and run so that it leaves torch.distributions' default validation as it
     found it: TorchDynamo switches it off for the whole process
     (``torch/_dynamo/eval_frame.py``) when ``torch.compile`` is first called, which
@@ -696,7 +679,7 @@ def compiled_keeping_validation(program: Callable, options: dict) -> Callable:
 
     default = Distribution._validate_args
     try:
-        compiled = torch.compile(program, **compile_keywords(options))
+        compiled = torch.compile(program, **compile_keywords(config))
     finally:
         Distribution.set_default_validate_args(default)
 

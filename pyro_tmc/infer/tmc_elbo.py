@@ -1,13 +1,13 @@
 """TMC_ELBO: the Tensor Monte Carlo bound as a drop-in Pyro SVI loss: settings, and a draw per step."""
 
 import warnings
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 
 from pyro.util import warn_if_nan
 
-from pyro_tmc.compile.captured_step import CHECK_EVERY, StepProgram
+from pyro_tmc.compile.captured_step import StepProgram
 from pyro_tmc.compile.compiled import EstimateProgram
 from pyro_tmc.infer.base import DifferentiableLossELBO
 from pyro_tmc.infer.broadcast_check import BroadcastCheck
@@ -18,6 +18,9 @@ from pyro_tmc.ops.log_einsum import checks_deferred
 from pyro_tmc.ops.memory import check_max_factor_bytes
 from pyro_tmc.poutine.proposals import check_proposal
 from pyro_tmc.poutine.tmc_messenger import check_num_samples
+
+if TYPE_CHECKING:
+    from pyro_tmc.compile.config import CompileConfig
 
 #: registered estimators that belong to another loss (TMC_RWS's wake-sleep)
 NOT_VARIANCE_REDUCTIONS = ("rws",)
@@ -78,14 +81,16 @@ class TMC_ELBO(DifferentiableLossELBO):
         that graph is also compiled by ``torch.compile``. Values and gradients
         equal the eager step's on the same draws; what cannot be captured runs
         eagerly, with one warning saying why.
-    :param dict compile_options: keyword arguments for ``torch.compile`` with
-        ``compile="inductor"``, e.g. ``{"mode": "reduce-overhead"}`` (CUDA graphs),
-        or ``{"options": {...}}`` (inductor settings). A captured whole step is
-        compiled by inductor from its graph directly (``torch._inductor.compile``,
+    :param compile_options: a :class:`~pyro_tmc.compile.CompileConfig`, every setting
+        of the capture engine with the reason for its default (the loss keeps a copy,
+        ``loss.compile_config``); or a dict, its ``torch_compile``: keyword arguments for
+        ``torch.compile`` with ``compile="inductor"``, e.g. ``{"mode": "reduce-overhead"}``
+        (CUDA graphs), or ``{"options": {...}}`` (inductor settings). A captured whole step
+        is compiled by inductor from its graph directly (``torch._inductor.compile``,
         with those settings), except with CUDA graphs or another ``backend``
         (:func:`pyro_tmc.compile.compiled.compiled_step_graph`). On the CPU it gets
         inductor's C++ wrapper unless the settings name ``cpp_wrapper``
-        (:data:`pyro_tmc.compile.compiled.CPU_STEP_SETTINGS`).
+        (``CompileConfig.cpu_step_settings``).
     :param str compile_scope: ``"step"`` (default): capture whole steps, as
         above; ``"estimate"``: run guide and model eagerly and capture only the
         estimate from their traces (:mod:`pyro_tmc.compile.compiled`), for a model whose
@@ -93,7 +98,8 @@ class TMC_ELBO(DifferentiableLossELBO):
         (``loss``, ``differentiable_loss``, the read-outs) uses the estimate
         program either way.
     :param int check_every: with ``compile_scope="step"``, one step in this many
-        runs eagerly and checks that the model's structure is the captured one.
+        runs eagerly and checks that the model's structure is the captured one
+        (``None``: ``CompileConfig.check_every``, 100 by default).
 
     References
 
@@ -111,20 +117,22 @@ class TMC_ELBO(DifferentiableLossELBO):
         vectorize_particles: bool = False,
         max_factor_bytes: Union[int, str, None] = "auto",
         compile: Optional[str] = None,
-        compile_options: Optional[dict] = None,
+        compile_options: Union[dict, "CompileConfig", None] = None,
         compile_scope: str = "step",
-        check_every: int = CHECK_EVERY,
+        check_every: Optional[int] = None,
         **kwargs,
     ) -> None:
         self.num_samples = check_num_samples(num_samples, "TMC_ELBO(num_samples)")
         self.max_factor_bytes = check_max_factor_bytes(max_factor_bytes)
         self.compile = compile
-        self.program = None if compile is None else EstimateProgram(compile, compile_options)
+        #: the capture engine's settings (a copy of ``compile_options``), read at each step
+        self.program = None if compile is None else EstimateProgram(compile, compile_options, check_every)
+        self.compile_config = None if compile is None else self.program.config
         if compile_scope not in ("step", "estimate"):
             raise ValueError(f"compile_scope must be 'step' or 'estimate', got {compile_scope!r}")
         self.compile_scope = compile_scope
         if compile is not None and compile_scope == "step":
-            self.step_program = StepProgram(compile, compile_options, check_every)
+            self.step_program = StepProgram(compile, self.compile_config)
         self.broadcast_check = BroadcastCheck()
         self.chain_plans = ChainPlans()
         self.proposal = check_proposal(proposal)

@@ -917,15 +917,15 @@ def test_a_cpu_step_is_compiled_with_the_cpp_wrapper_unless_told_otherwise(monke
 )
 def test_a_long_step_of_large_ops_builds_its_wrapper_apart(monkeypatch, roll_above, mean_size, expected):
     """
-    A step rolled from a long loop whose operations average at least ``WRAPPER_APART_MEAN_SIZE``
-    elements is compiled with ``WRAPPER_APART_SETTINGS`` (its C++ wrapper built at -O1, apart
+    A step rolled from a long loop whose operations average at least ``wrapper_apart_mean_size``
+    elements is compiled with ``wrapper_apart_settings`` (its C++ wrapper built at -O1, apart
     from its kernels); a rolled step of smaller operations, or a step that is not rolled, is not.
     """
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
     settings = _recorded_inductor_settings(monkeypatch)
-    monkeypatch.setattr("pyro_tmc.compile.captured_step.WRAPPER_APART_MEAN_SIZE", mean_size)
     loss = chain_loss(4, compile="inductor")
+    loss.compile_config.wrapper_apart_mean_size = mean_size
     loss.step_program.roll_above = roll_above
     for _ in range(3):
         loss.loss_and_grads(stiff_chain_model, chain_guide, torch.tensor(0.7), 24)
@@ -940,11 +940,11 @@ def test_a_wrapper_built_apart_replays_the_eager_step(monkeypatch):
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
     settings = _recorded_inductor_settings(monkeypatch, compile_for_real=True)
-    monkeypatch.setattr("pyro_tmc.compile.captured_step.WRAPPER_APART_MEAN_SIZE", 1)
 
     def make_loss(**kwargs):
         loss = chain_loss(8, **kwargs)
         loss.step_program.roll_above = 0
+        loss.compile_config.wrapper_apart_mean_size = 1
         return loss
 
     replayed, eager = replay_and_eager(

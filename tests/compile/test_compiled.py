@@ -205,29 +205,28 @@ def test_compile_keywords_carry_the_settings_and_the_mode():
     beside pyro_tmc's own, which a user's options override. Another backend gets the
     user's keywords untouched.
     """
-    from pyro_tmc.compile.compiled import (
-        INDUCTOR_SETTINGS,
-        compile_keywords,
-        inductor_settings,
-        uses_cuda_graphs,
-    )
+    from pyro_tmc.compile import CompileConfig
+    from pyro_tmc.compile.compiled import compile_keywords, inductor_settings, uses_cuda_graphs
 
-    assert INDUCTOR_SETTINGS.items() <= inductor_settings().items()
-    assert compile_keywords({}) == {"dynamic": False, "options": inductor_settings()}
-    reduce_overhead = compile_keywords({"mode": "reduce-overhead"})
+    def keywords(torch_compile):
+        return compile_keywords(CompileConfig(torch_compile))
+
+    assert CompileConfig().inductor_settings.items() <= inductor_settings().items()
+    assert keywords({}) == {"dynamic": False, "options": inductor_settings()}
+    reduce_overhead = keywords({"mode": "reduce-overhead"})
     assert "mode" not in reduce_overhead
     assert reduce_overhead["options"] == {**inductor_settings(), "triton.cudagraphs": True}
-    assert uses_cuda_graphs({"mode": "max-autotune"}) and not uses_cuda_graphs({})
-    assert uses_cuda_graphs({"options": {"triton.cudagraphs": True}})
-    setting = next(iter(INDUCTOR_SETTINGS))
-    assert compile_keywords({"options": {setting: 64}})["options"][setting] == 64
-    assert compile_keywords({"backend": "aot_eager", "mode": "default"}) == {
+    assert uses_cuda_graphs(CompileConfig({"mode": "max-autotune"})) and not uses_cuda_graphs(CompileConfig())
+    assert uses_cuda_graphs(CompileConfig({"options": {"triton.cudagraphs": True}}))
+    setting = next(iter(CompileConfig().inductor_settings))
+    assert keywords({"options": {setting: 64}})["options"][setting] == 64
+    assert keywords({"backend": "aot_eager", "mode": "default"}) == {
         "dynamic": False,
         "backend": "aot_eager",
         "mode": "default",
     }
     with pytest.raises(RuntimeError, match="Unrecognized mode"):
-        compile_keywords({"mode": "fastest"})
+        keywords({"mode": "fastest"})
 
 
 def test_a_compiled_step_graph_is_kept_in_inductors_graph_cache(monkeypatch, tmp_path):
@@ -240,6 +239,7 @@ def test_a_compiled_step_graph_is_kept_in_inductors_graph_cache(monkeypatch, tmp
     from torch._dynamo.utils import counters
     from torch.fx.experimental.proxy_tensor import make_fx
 
+    from pyro_tmc.compile import CompileConfig
     from pyro_tmc.compile.compiled import compiled_step_graph
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
@@ -247,7 +247,7 @@ def test_a_compiled_step_graph_is_kept_in_inductors_graph_cache(monkeypatch, tmp
     graph = make_fx(lambda t: ((t.sin() * 2.0).sum(0),))(x)
     counters["inductor"].clear()
     with torch.no_grad():
-        values = [compiled_step_graph(graph, {})(x)[0] for _ in range(2)]  # two compiles
+        values = [compiled_step_graph(graph, CompileConfig())(x)[0] for _ in range(2)]  # two compiles
     assert counters["inductor"]["fxgraph_cache_miss"] == 1
     assert counters["inductor"]["fxgraph_cache_hit"] == 1
     assert counters["inductor"]["fxgraph_cache_bypass"] == 0
@@ -379,12 +379,12 @@ def test_transform_parameters_are_part_of_the_plan():
     assert program.program.traces == 3  # one plan per temperature
 
 
-def test_too_many_plans_run_eagerly_with_one_warning(monkeypatch):
-    from pyro_tmc import compiled
+def test_too_many_plans_run_eagerly_with_one_warning():
+    from pyro_tmc.compile import CompileConfig
 
-    monkeypatch.setattr(compiled, "MAX_PLANS", 2)
     pyro.clear_param_store()
-    eager, program = TMC_ELBO(4, 1), TMC_ELBO(4, 1, compile="graph")
+    eager = TMC_ELBO(4, 1)
+    program = TMC_ELBO(4, 1, compile="graph", compile_options=CompileConfig(max_plans=2))
     _loss_and_grads(eager, toy_model, toy_guide, (torch.randn(3),), 0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -477,6 +477,7 @@ def test_inductor_writes_into_each_row_of_a_broadcast_destination():
     """
     from torch.fx.experimental.proxy_tensor import make_fx
 
+    from pyro_tmc.compile import CompileConfig
     from pyro_tmc.compile.compiled import compiled_step_graph
 
     x = torch.randn(6)
@@ -484,6 +485,6 @@ def test_inductor_writes_into_each_row_of_a_broadcast_destination():
     graph = make_fx(_writes_into_broadcast_zeros)(x, rows, columns, values)
     expected = _writes_into_broadcast_zeros(x, rows, columns, values)
     with torch.no_grad():
-        compiled = compiled_step_graph(graph, {})(x, rows, columns, values)
+        compiled = compiled_step_graph(graph, CompileConfig())(x, rows, columns, values)
     for want, got in zip(expected, compiled):
         assert torch.equal(got, want), (want, got)

@@ -450,7 +450,8 @@ def test_a_step_that_rolling_barely_batches_stays_unrolled():
     little (about 0.8 as many groups as operations) and add stacking: its step is
     captured unrolled, and replays the eager step's value.
     """
-    from pyro_tmc.compile.captured_step import ROLL_AT_MOST, count_groups
+    from pyro_tmc.compile import CompileConfig
+    from pyro_tmc.compile.captured_step import count_groups
     from pyro_tmc.compile.loop_rolling import rolled_runner
     from pyro_tmc.experiments import vae
 
@@ -471,4 +472,4 @@ def test_a_step_that_rolling_barely_batches_stays_unrolled():
     forward.graph.eliminate_dead_code()
     operations = count_operations(forward)
     assert operations > loss.step_program.roll_above  # long enough to be considered
-    assert count_groups(rolled_runner(forward)) > ROLL_AT_MOST * operations
+    assert count_groups(rolled_runner(forward)) > CompileConfig.roll_at_most * operations
