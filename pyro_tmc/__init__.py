@@ -76,6 +76,8 @@ if not any(isinstance(finder, _MovedModuleFinder) for finder in sys.meta_path):
         0, _MovedModuleFinder()
     )  # before an editable install's finder, which knows old files
 
+# the capture engine wraps the losses from outside: importing it registers their compile= programs
+import pyro_tmc.compile  # noqa: E402, F401
 from pyro_tmc.infer import IWAE_ELBO, QEM, TMC_ELBO, TMC_RWS, QEMGuide  # noqa: E402
 
 __all__ = ["IWAE_ELBO", "QEM", "QEMGuide", "TMC_ELBO", "TMC_RWS", "__version__"]

@@ -23,13 +23,7 @@ LAYERS = (
 TOP = len(LAYERS)
 
 #: upward imports that remain, each with why, to be removed
-KNOWN_UPWARD = {
-    # a draw asks the estimate program; TMC_ELBO builds its step and estimate programs
-    # (item 2: compile wraps infer's step from outside)
-    ("pyro_tmc.infer.draw", "pyro_tmc.compile.compiled"),
-    ("pyro_tmc.infer.tmc_elbo", "pyro_tmc.compile.captured_step"),
-    ("pyro_tmc.infer.tmc_elbo", "pyro_tmc.compile.compiled"),
-}
+KNOWN_UPWARD: set = set()
 #: import cycles that remain (each a set of modules), to be removed
 KNOWN_CYCLES: list = []
 

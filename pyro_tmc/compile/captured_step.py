@@ -71,13 +71,14 @@ from pyro_tmc._pyro import param_store_holding
 from pyro_tmc.compile.background_compile import warn_replayed_uncompiled
 from pyro_tmc.compile.compiled import (
     MODES,
+    EstimateProgram,
     GraphFallback,
     compiled_step_graph,
     estimates_eagerly,
     uses_cuda_graphs,
     warn_fallback,
 )
-from pyro_tmc.compile.config import CompileConfig
+from pyro_tmc.compile.config import CompileConfig, compile_config
 from pyro_tmc.compile.forward_trace import (
     GradModeMarks,
     HookWatch,
@@ -87,7 +88,7 @@ from pyro_tmc.compile.forward_trace import (
     derive_backward,
 )
 from pyro_tmc.compile.loop_rolling import count_groups, count_operations, roll, rolled_runner
-from pyro_tmc.ops.log_einsum import (
+from pyro_tmc.ops.capture import (
     RepairCount,
     any_flag,
     counting_repairs,
@@ -101,6 +102,7 @@ ROLLED_FROM = "pyro_tmc_rolled_from"
 
 
 # -- what a step is, for a key ------------------------------------------------------------
+
 
 _ATOMS = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
@@ -851,6 +853,18 @@ class StepProgram:
         if min(captured.replay_seconds) > min(captured.eager_seconds):
             captured.program = None  # eager from now on; checks and read-outs are unchanged
         captured.eager_seconds = None
+
+
+def build_programs(
+    mode: str, options, scope: str, check_every: Optional[int]
+) -> tuple[EstimateProgram, Optional[StepProgram]]:
+    """
+    A loss's programs for ``compile=mode`` (what :func:`pyro_tmc.infer.base.compiled_programs`
+    returns): its estimate program and, with ``scope="step"``, its step program, which read
+    one :class:`~pyro_tmc.compile.config.CompileConfig`, made from ``compile_options``.
+    """
+    config = compile_config(options, check_every)
+    return EstimateProgram(mode, config), StepProgram(mode, config) if scope == "step" else None
 
 
 def builds_wrapper_apart(graph: torch.fx.GraphModule, mean_size: int) -> bool:

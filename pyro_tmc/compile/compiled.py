@@ -35,7 +35,6 @@ new one is a new plan rather than a stale constant.
 """
 
 import contextlib
-import contextvars
 import dataclasses
 import functools
 import itertools
@@ -50,13 +49,13 @@ from torch.distributions.transforms import Transform, _InverseTransform  # t.inv
 from pyro.poutine import Trace
 
 from pyro_tmc.compile.background_compile import BackgroundCompile
-from pyro_tmc.compile.config import CompileConfig, compile_config
+from pyro_tmc.compile.config import CompileConfig
 from pyro_tmc.compile.forward_trace import custom_backward
 from pyro_tmc.estimate.checks import validate_samples
 from pyro_tmc.estimate.evaluation import EvaluationPlan
 from pyro_tmc.estimate.factors import compute_log_factors, contract_estimate
 from pyro_tmc.estimate.scales import ScalePlan
-from pyro_tmc.ops.log_einsum import any_flag, deferred_underflow_checks
+from pyro_tmc.ops.capture import any_flag, capturing, current, deferred_underflow_checks
 from pyro_tmc.poutine.proposals import ProposalStrategy
 
 MODES = (None, "graph", "inductor")
@@ -263,7 +262,7 @@ def _estimate_function(flat: FlatDraw, detach_guide_proposals: bool) -> Callable
         sources = _fill(flat.source_template, inputs)
         # no branch on values while tracing: each log-space product flags its underflow instead
         with deferred_underflow_checks() as flags:
-            # whole factors: a plan with sliced factors has no program (EvaluationPlan.compiled_program)
+            # whole factors: a draw with sliced factors runs eagerly (TMCDraw.log_estimate)
             plan = EvaluationPlan(scales)
             factors = compute_log_factors(model_trace, guide_trace, plan, sources, detach_guide_proposals)
             log_estimate = contract_estimate(factors, scales)
@@ -347,25 +346,15 @@ def check_no_custom_backward(function: Callable, tensors: list[torch.Tensor]) ->
         )
 
 
-#: within :func:`estimates_eagerly`: every estimate program gives way to the eager path
-_ESTIMATING_EAGERLY: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "pyro_tmc_estimating_eagerly", default=False
-)
-
-
-@contextlib.contextmanager
-def estimates_eagerly() -> Iterator[None]:
+def estimates_eagerly() -> contextlib.AbstractContextManager:
     """
-    Within this context, :meth:`EstimateProgram.log_estimate` neither builds nor runs a
-    program: the estimate is computed eagerly. For the few eager steps of a captured
-    whole step (:mod:`pyro_tmc.compile.captured_step`), which would otherwise trace and compile
-    an estimate program that the replays never use.
+    Within this context (the capture context's ``eager_estimates``),
+    :meth:`EstimateProgram.log_estimate` neither builds nor runs a program: the estimate is
+    computed eagerly. For the few eager steps of a captured whole step
+    (:mod:`pyro_tmc.compile.captured_step`), which would otherwise trace and compile an
+    estimate program that the replays never use.
     """
-    token = _ESTIMATING_EAGERLY.set(True)
-    try:
-        yield
-    finally:
-        _ESTIMATING_EAGERLY.reset(token)
+    return capturing(eager_estimates=True)
 
 
 class EstimateProgram:
@@ -375,14 +364,12 @@ class EstimateProgram:
 
     :param str mode: ``"graph"`` (replay the traced operations eagerly) or
         ``"inductor"`` (``torch.compile`` them: fused kernels).
-    :param options: the loss's ``compile_options`` (:func:`~pyro_tmc.compile.config.compile_config`).
-    :param int check_every: the loss's ``check_every``, if given.
+    :param CompileConfig config: the loss's settings (``torch.compile``'s keywords, ``max_plans``).
     """
 
-    def __init__(self, mode: str, options=None, check_every: Optional[int] = None) -> None:
+    def __init__(self, mode: str, config: CompileConfig) -> None:
         if mode not in MODES[1:]:
             raise ValueError(f"compile must be one of {MODES}, got {mode!r}")
-        config = compile_config(options, check_every)
         if config.torch_compile and mode != "inductor":
             raise ValueError("compile_options are torch.compile's: they need compile='inductor'")
         self.mode = mode
@@ -402,7 +389,7 @@ class EstimateProgram:
         self, draw, sources: Optional[dict[str, torch.Tensor]], detach_guide_proposals: bool
     ) -> Optional[torch.Tensor]:
         """``log P_TMC`` of the draw by its plan's program, or ``None`` where the eager path must run."""
-        if _ESTIMATING_EAGERLY.get():
+        if current().eager_estimates:
             return None
         validate_samples(draw.model_trace, draw.guide_trace)
         flat = flatten_draw(draw, sources, detach_guide_proposals)

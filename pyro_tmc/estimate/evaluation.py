@@ -4,9 +4,9 @@ The estimate is one sum-product, ``log P_TMC`` (:mod:`pyro_tmc.estimate.factors`
 math, :mod:`pyro_tmc.ops.contraction` its contraction). *How* it is computed takes
 a few choices, and each is made here, once, when a draw is made
 (:meth:`pyro_tmc.infer.draw.TMCDraw.run`). Every path that computes the
-estimate reads the same :class:`EvaluationPlan`: the eager factors and
-contraction, the compiled estimate (:mod:`pyro_tmc.compile.compiled`), and the
-posterior read-outs.
+estimate reads the same :class:`EvaluationPlan`, a plain value: the eager factors and
+contraction, the compiled estimate (:mod:`pyro_tmc.compile.compiled`, which traces
+them), and the posterior read-outs.
 
 - **Scales** (:class:`~pyro_tmc.estimate.scales.ScalePlan`): where each site's scale
   acts, on its factor or on the log of a plate's sum.
@@ -17,9 +17,10 @@ posterior read-outs.
   call (:mod:`pyro_tmc.estimate.batched_densities`), and a chain's links are then taken
   in one operation per stack (:func:`~pyro_tmc.ops.contraction.reduce_chains`).
   A stack holds whole factors, so a budget turns stacking off.
-- **Eager or a cached program**: ``compile=`` traces the eager code into a graph
-  per plan (:class:`~pyro_tmc.compile.compiled.EstimateProgram`). Sliced factors
-  checkpoint their slices, which a graph cannot, so a budget runs eagerly.
+- **Eager or a cached program** is the draw's to choose, not the plan's: ``compile=``
+  traces the eager code into a graph per plan
+  (:class:`~pyro_tmc.compile.compiled.EstimateProgram`), except for sliced factors,
+  which checkpoint their slices, which a graph cannot: a budget runs eagerly.
 
 Which contraction order, and whether a chain is taken by a log-depth tree, is the
 contraction's own choice from the factors' dims (as ``opt_einsum`` chooses a
@@ -27,14 +28,11 @@ path), not the plan's.
 """
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Union
+from typing import Optional, Union
 
 from pyro_tmc.estimate.budget import factor_budget
 from pyro_tmc.estimate.scales import ScalePlan
 from pyro_tmc.ops.memory import AUTO, itemsize
-
-if TYPE_CHECKING:  # compiled imports factors, which reads this module
-    from pyro_tmc.compile.compiled import EstimateProgram
 
 
 @dataclass(frozen=True)
@@ -47,14 +45,11 @@ class EvaluationPlan:
         a latent's ``log p`` is built in slices; ``None`` builds every factor whole.
     :param max_factor_bytes: the budget as the user set it (bytes, ``"auto"`` or
         ``None``), named in memory errors.
-    :param EstimateProgram program: the loss's cache of compiled estimates, or
-        ``None`` for the eager path.
     """
 
     scales: ScalePlan
     max_factor_elements: Optional[int] = None
     max_factor_bytes: Union[int, str, None] = None
-    program: Optional["EstimateProgram"] = None
 
     @property
     def sliced(self) -> bool:
@@ -66,25 +61,17 @@ class EvaluationPlan:
         """Whether like sites' densities are evaluated in one stacked call (whole factors only)."""
         return not self.sliced
 
-    @property
-    def compiled_program(self) -> Optional["EstimateProgram"]:
-        """The program that computes the estimate, or ``None`` where it runs eagerly."""
-        return None if self.sliced else self.program
 
-
-def plan_evaluation(
-    model_trace, scales: ScalePlan, max_factor_bytes=None, program: Optional["EstimateProgram"] = None
-) -> EvaluationPlan:
+def plan_evaluation(model_trace, scales: ScalePlan, max_factor_bytes=None) -> EvaluationPlan:
     """
     The evaluation plan of a draw, its memory budget resolved once.
 
     :param model_trace: the draw's finished model trace (its sites' shapes set the budget).
     :param ScalePlan scales: the draw's scale plan.
     :param max_factor_bytes: bytes per factor, ``"auto"`` or ``None`` (see ``TMC_ELBO``).
-    :param EstimateProgram program: the loss's compiled-estimate cache, if any.
     :raises FactorMemoryError: under ``"auto"``, where a factor's smallest slice cannot fit.
     """
     elements = max_factor_bytes
     if max_factor_bytes is not None and max_factor_bytes != AUTO:
         elements = max_factor_bytes // itemsize()
-    return EvaluationPlan(scales, factor_budget(model_trace, elements), max_factor_bytes, program)
+    return EvaluationPlan(scales, factor_budget(model_trace, elements), max_factor_bytes)

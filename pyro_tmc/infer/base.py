@@ -1,8 +1,41 @@
-"""Shared by every loss: ``loss``, ``loss_and_grads`` and ``log_evidence``, from ``differentiable_loss``."""
+"""Shared by every loss: ``loss``, ``loss_and_grads`` and ``log_evidence``, from ``differentiable_loss``.
+
+The capture engine behind ``compile=`` (:mod:`pyro_tmc.compile`) wraps a loss's step from
+outside, a layer above the losses: it registers what builds a loss's programs
+(:func:`register_compiler`), and a loss asks for them (:func:`compiled_programs`) without
+importing it. ``import pyro_tmc`` imports the engine, so the programs are always there.
+"""
+
+from typing import Any, Callable, Optional
 
 import torch
 
 from pyro.infer.elbo import ELBO
+
+#: ``"build"``: ``(compile, compile_options, compile_scope, check_every) -> (estimate program,
+#: step program or None)``, registered by :mod:`pyro_tmc.compile`
+_COMPILER: dict[str, Callable] = {}
+
+
+def register_compiler(build: Callable) -> None:
+    """Make ``build`` what a loss with ``compile=`` calls for its programs (see :func:`compiled_programs`)."""
+    _COMPILER["build"] = build
+
+
+def compiled_programs(
+    compile: Optional[str], options, scope: str, check_every: Optional[int]
+) -> tuple[Optional[Any], Optional[Any]]:
+    """
+    A loss's programs for ``compile=``: the estimate program that a draw asks for its
+    estimate (:class:`pyro_tmc.compile.compiled.EstimateProgram`), and, with
+    ``scope="step"``, the step program that ``loss_and_grads`` runs
+    (:class:`pyro_tmc.compile.captured_step.StepProgram`); ``(None, None)`` without ``compile``.
+    """
+    if compile is None:
+        return None, None
+    if "build" not in _COMPILER:
+        raise RuntimeError("compile= needs the capture engine: import pyro_tmc.compile")
+    return _COMPILER["build"](compile, options, scope, check_every)
 
 
 class DifferentiableLossELBO(ELBO):

@@ -20,7 +20,7 @@ posterior marginal).
 
 import warnings
 from dataclasses import dataclass, field, replace
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 import torch
 
@@ -30,7 +30,6 @@ from pyro.poutine import Trace
 from pyro.poutine.util import prune_subsample_sites
 from pyro.util import check_model_guide_match, check_traceenum_requirements
 
-from pyro_tmc.compile.compiled import EstimateProgram
 from pyro_tmc.estimate.checks import check_finite, check_plate_dependencies, check_site_shapes
 from pyro_tmc.estimate.evaluation import EvaluationPlan, plan_evaluation
 from pyro_tmc.estimate.factors import LogFactor, compute_log_factors, contract_estimate
@@ -40,7 +39,7 @@ from pyro_tmc.infer.broadcast_check import BroadcastCheck, run_probe
 from pyro_tmc.infer.chain_plan import ChainPlans, needs_plan
 from pyro_tmc.infer.collapse_check import collapse_refusal
 from pyro_tmc.infer.path_gradients import with_leaf_values
-from pyro_tmc.ops.log_einsum import checks_deferred
+from pyro_tmc.ops.capture import is_tracing
 from pyro_tmc.poutine import TMCMessenger
 from pyro_tmc.poutine.chain_dims import ChainDims, ChainDimsConflict
 from pyro_tmc.poutine.particle_groups import particle_groups_of
@@ -54,6 +53,18 @@ from pyro_tmc.poutine.sites import (
     source_weights,
 )
 from pyro_tmc.poutine.tmc_messenger import ParticleDimsExhausted
+
+
+class EstimateProgram(Protocol):
+    """
+    What computes a draw's estimate for ``TMC_ELBO(compile=...)``: the capture engine's
+    :class:`pyro_tmc.compile.compiled.EstimateProgram`, a cache of traced graphs per plan.
+    """
+
+    def log_estimate(
+        self, draw: "TMCDraw", sources: Optional[dict[str, torch.Tensor]], detach_guide_proposals: bool
+    ) -> Optional[torch.Tensor]:
+        """``log P_TMC`` of the draw, or ``None`` where the eager path must compute it."""
 
 
 @dataclass
@@ -78,7 +89,7 @@ class DrawSettings:
     max_factor_bytes: Optional[int] = None
     #: every latent on one shared particle dim (IWAE's K joint samples)
     joint: bool = False
-    #: the loss's cache of estimate programs (:mod:`pyro_tmc.compile.compiled`), or ``None``: eager
+    #: the loss's cache of estimate programs (:class:`EstimateProgram`), or ``None``: eager
     program: Optional[EstimateProgram] = None
     #: the loss's record of its hand-broadcasting probe (:mod:`pyro_tmc.infer.broadcast_check`)
     broadcast_check: Optional[BroadcastCheck] = None
@@ -100,7 +111,7 @@ class TMCDraw:
     :param Trace guide_trace: the guide run under ``tmc`` (replayed on the leaves,
         when there are leaves).
     :param EvaluationPlan plan: how its estimate is evaluated: the scale plan, the
-        memory budget, stacked densities, eager or compiled (:mod:`pyro_tmc.estimate.evaluation`),
+        memory budget, stacked densities (:mod:`pyro_tmc.estimate.evaluation`),
         decided once and passed to everything that computes or reads the estimate.
     :param DrawSettings settings: how it was made.
     :param Trace live_trace: the guide's trace as drawn, differentiable in its
@@ -150,7 +161,7 @@ class TMCDraw:
             draw_traces, model, args, kwargs, settings
         )
         model_trace, guide_trace, scales = finish(model_trace, guide_trace, settings.max_plate_nesting)
-        plan = plan_evaluation(model_trace, scales, settings.max_factor_bytes, settings.program)
+        plan = plan_evaluation(model_trace, scales, settings.max_factor_bytes)
         check = settings.broadcast_check
         if check is not None and check.wanted() and not settings.joint:
             run_probe(
@@ -197,8 +208,9 @@ class TMCDraw:
         :param bool detach_guide_proposals: stop the gradient through the guide's density.
         :raises ValueError: naming the site, if the estimate is not finite.
         """
-        # a whole step being captured computes its estimate in that graph, eagerly here
-        program = None if checks_deferred() else self.plan.compiled_program
+        # a whole step being captured computes its estimate in that graph, eagerly here; sliced
+        # factors checkpoint their slices, which a graph cannot: a budget runs eagerly
+        program = None if is_tracing() or self.plan.sliced else self.settings.program
         if program is not None:
             estimate = program.log_estimate(self, sources, detach_guide_proposals)
             if estimate is not None and torch.isfinite(estimate).all():
@@ -273,7 +285,7 @@ def with_chain_plan(draw_traces: Callable, model, args, kwargs, settings: DrawSe
     first = not plans.decided(key)
     plan = plans.plan(key)
     planned = replace(settings, chain_dims=plan) if plan is not None else settings
-    rng = _rng_state() if (first or plan is not None) and not checks_deferred() else None
+    rng = _rng_state() if (first or plan is not None) and not is_tracing() else None
     record: list = []
     try:
         result = draw_traces(planned, record)

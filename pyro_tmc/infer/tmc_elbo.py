@@ -7,14 +7,12 @@ import torch
 
 from pyro.util import warn_if_nan
 
-from pyro_tmc.compile.captured_step import StepProgram
-from pyro_tmc.compile.compiled import EstimateProgram
-from pyro_tmc.infer.base import DifferentiableLossELBO
+from pyro_tmc.infer.base import DifferentiableLossELBO, compiled_programs
 from pyro_tmc.infer.broadcast_check import BroadcastCheck
 from pyro_tmc.infer.chain_plan import ChainPlans
 from pyro_tmc.infer.draw import DrawSettings, TMCDraw
 from pyro_tmc.infer.estimators import make_estimator
-from pyro_tmc.ops.log_einsum import checks_deferred
+from pyro_tmc.ops.capture import is_tracing
 from pyro_tmc.ops.memory import check_max_factor_bytes
 from pyro_tmc.poutine.proposals import check_proposal
 from pyro_tmc.poutine.tmc_messenger import check_num_samples
@@ -125,14 +123,13 @@ class TMC_ELBO(DifferentiableLossELBO):
         self.num_samples = check_num_samples(num_samples, "TMC_ELBO(num_samples)")
         self.max_factor_bytes = check_max_factor_bytes(max_factor_bytes)
         self.compile = compile
-        #: the capture engine's settings (a copy of ``compile_options``), read at each step
-        self.program = None if compile is None else EstimateProgram(compile, compile_options, check_every)
-        self.compile_config = None if compile is None else self.program.config
         if compile_scope not in ("step", "estimate"):
             raise ValueError(f"compile_scope must be 'step' or 'estimate', got {compile_scope!r}")
         self.compile_scope = compile_scope
-        if compile is not None and compile_scope == "step":
-            self.step_program = StepProgram(compile, self.compile_config)
+        programs = compiled_programs(compile, compile_options, compile_scope, check_every)
+        self.program, self.step_program = programs
+        #: the capture engine's settings (a copy of ``compile_options``), read at each step
+        self.compile_config = None if compile is None else self.program.config
         self.broadcast_check = BroadcastCheck()
         self.chain_plans = ChainPlans()
         self.proposal = check_proposal(proposal)
@@ -212,7 +209,7 @@ class TMC_ELBO(DifferentiableLossELBO):
                     total + self._checked(TMCDraw.run(model, guide, args, kwargs, settings)).log_estimate()
                 )
         loss = -total / self.num_particles
-        if not checks_deferred():  # a step being captured checks its output instead
+        if not is_tracing():  # a step being captured checks its output instead
             warn_if_nan(loss, "loss")
         return loss
 
