@@ -50,7 +50,8 @@ def chain_product(links: torch.Tensor, matmul: MatrixProduct = log_matmul_exp, d
     :param int dim: the dim along which the links are ordered, left of the last two.
     :returns: the product, ``links`` without ``dim``.
     """
-    links = links.movedim(dim, -3)
+    if dim != -3:  # movedim is an operation (a view) even where it moves nothing
+        links = links.movedim(dim, -3)
     while links.size(-3) > 1:
         length = links.size(-3)
         even = length - length % 2
