@@ -81,7 +81,7 @@ Reading it:
   and compiled is 0.36x the eager tree at T=1000 (0.9x the compiled tree), and 0.56x at T=100;
   eagerly, vectorized_markov is 8x faster than the unrolled ``pyro.markov`` chain;
 - Fig. 4 chain (step scale ``1/sqrt(N)``, far below the particles' spread): nearly every link
-  product underflows when shifted, so pyro_tmc's exact repair (``pyro_tmc/ops/log_einsum.py``)
+  product underflows when shifted, so pyro_tmc's exact repair (``pyro_tmc/ops/underflow.py``)
   runs, and a captured step with an underflow runs again eagerly: the compiled rows are no
   faster than eager. The unrolled chain pays the same repair; the hand-written tree makes none.
 - the estimates agree in distribution (the notes: -log P_TMC over 20 fresh draws each).

@@ -187,7 +187,7 @@ class SiteDensities:
     Log densities computed for groups of sites at once, kept as ``(stack, index)``
     by ``id`` of the site dict (:func:`stacked_log_probs`), and their packing, also
     done once per group: each site's packed factor is then a slice of one stacked
-    tensor, recorded by :meth:`slice_of` (:data:`pyro_tmc.ops.contraction.StackedSlices`),
+    tensor, recorded by :meth:`slice_of` (:data:`pyro_tmc.ops.chain_factors.StackedSlices`),
     which lets the contraction take a whole chain's links in one operation.
     """
 

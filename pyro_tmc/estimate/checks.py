@@ -138,7 +138,7 @@ def _check_site_plates(name: str, site, trace: Trace, owners: dict[str, tuple[st
 def _non_finite(term) -> tuple:
     """
     Whether a factor holds a NaN, holds +inf, and is -inf everywhere; a chunked
-    factor (:class:`~pyro_tmc.ops.contraction.ChunkedFactor`) is read slice by slice
+    factor (:class:`~pyro_tmc.ops.chunked.ChunkedFactor`) is read slice by slice
     (whole, it may not fit in memory).
     """
     pieces = [term] if isinstance(term, torch.Tensor) else (term.compute(a, b) for a, b in term.ranges())

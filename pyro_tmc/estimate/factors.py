@@ -60,7 +60,7 @@ from pyro_tmc.poutine.sites import (
 class LogFactor(NamedTuple):
     """
     A packed log factor and the site it came from (for error messages). The
-    term is a packed tensor, or a :class:`~pyro_tmc.ops.contraction.ChunkedFactor`
+    term is a packed tensor, or a :class:`~pyro_tmc.ops.chunked.ChunkedFactor`
     that computes it slice by slice under a memory budget; ``stacked`` is
     ``(stack, index)`` where the term is ``stack[index]`` of its group's stacked
     densities (:class:`~pyro_tmc.estimate.batched_densities.SiteDensities`).
@@ -183,7 +183,7 @@ def site_log_factors(
     ``log p`` and, for a sampled latent, ``-log q - log K`` as a second tensor.
     They are kept apart because ``log q`` has only the site's own particle dim
     while ``log p`` also has its parents': the contraction adds the small
-    terms together before touching the large one (:func:`~pyro_tmc.ops.contraction.fuse_factors`).
+    terms together before touching the large one (:func:`~pyro_tmc.ops.ring.fuse_factors`).
 
     An exactly summed latent keeps its own ``log p`` unmasked under
     ``poutine.mask`` (it sums to one over the support, as ``TraceEnum_ELBO``
@@ -200,7 +200,7 @@ def site_log_factors(
     :param bool detach_guide_proposal: stop the gradient through the guide's
         density (the path-gradient estimators take the guide's gradient elsewhere).
     :param int max_factor_elements: a latent site's ``log p`` larger than this is
-        returned as a :class:`~pyro_tmc.ops.contraction.ChunkedFactor`, computed slice
+        returned as a :class:`~pyro_tmc.ops.chunked.ChunkedFactor`, computed slice
         by slice along the site's own particle dim during the contraction.
     :param SiteDensities densities: log densities already computed for groups of
         sites (:func:`~pyro_tmc.estimate.batched_densities.site_densities`); the rest are computed here.
