@@ -24,7 +24,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--family",
         default=None,
-        help="only this family (enum, brute, twin, general, gauss; budget only when named)",
+        help="only this family (enum, brute, twin, general, gauss; budget and chain only when named)",
     )
     parser.add_argument("--oracle", action="append", default=None, help="only these oracles (repeatable)")
     parser.add_argument("--show", type=int, default=None, help="print the case of this seed and its checks")

@@ -23,10 +23,19 @@ Families (each picks the structures its oracles can judge exactly):
   ``AutoDelta``, ``AutoDiagonalNormal``, chain sites included) beside prior-drawn, enumerated and
   hand-guided latents, with tiny ``max_factor_bytes``; the unbudgeted value and gradients on the
   same draws are the oracle (R4 of issue 42: a chunked global that a chain reads kept K^T).
+- ``"chain"`` (drawn only when asked for): a ``pyro.markov`` chain (history 1 or 2, reading a
+  global or not) under AutoGuides (``AutoNormal``, ``AutoDelta``, ``AutoDiagonalNormal`` over the
+  chain's sites, beside hand-written guides for other sites), or under a hand-written guide whose
+  chain is a plain loop or within ``pyro.markov``; a fifth of the chains are long (65-120 steps,
+  beyond the 64 dims a tensor holds), where ``AutoNormal`` and a plain loop rely on the particle
+  dims recycled along the model's markov structure (R5 of issue 42). Three in ten are
+  linear-Gaussian, judged by the exact ``log p(x)`` as the gauss family is; the AutoGuide's chain
+  is also judged against a hand-written guide with the same parameters, on the same draws.
 """
 
 import copy
 import itertools
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Optional
@@ -39,9 +48,12 @@ FAMILIES = ("enum", "brute", "twin", "general", "gauss")
 FAMILY_WEIGHTS = (0.3, 0.2, 0.15, 0.3, 0.05)
 #: families drawn only when asked for (``--family budget``), so that adding one does not move the
 #: seeds of the others; ``test_fuzz.py`` runs a few seeds of each
-EXTRA_FAMILIES = ("budget",)
+EXTRA_FAMILIES = ("budget", "chain")
 #: the longest chain of the budget family (AutoNormal on long chains is R5's: keep clear of it)
 BUDGET_MAX_CHAIN = 12
+#: the chain family's long chains (steps), beyond the 64 dims a tensor holds, and how often
+CHAIN_LONG = (65, 120)
+CHAIN_LONG_FRACTION = 0.2
 
 PRELUDE = """\
 import torch
@@ -136,6 +148,10 @@ class Spec:
     guide_factor: Optional[tuple[str, float]] = None  # pyro.factor in the guide: (global guide latent, coef)
     irrelevant: Optional[str] = None  # "prior" | "enum" | "plate": an extra latent nothing uses
     options: dict[str, object] = field(default_factory=dict)
+    linear_gaussian: bool = False  # the chain family's linear-Gaussian cases (an exact log p(x))
+    #: the chain family's AutoGuide initialisation: {"scale": init_scale, "locs": {site: value}}
+    auto_init: Optional[dict[str, object]] = None
+    chain_guide_last: bool = False  # the hand-written guide's chain loop comes after the AutoGuide
     features: list[str] = field(default_factory=list)
 
     def site(self, name: str) -> Site:
@@ -244,6 +260,8 @@ def draw_spec(seed: int, family: Optional[str] = None) -> Spec:
 
 
 def _draw_structure(rng: random.Random, seed: int, family: str) -> Optional[Spec]:
+    if family == "chain":
+        return _draw_chain_family(rng, seed)
     tiny = family == "brute"
     stiff = family == "general" and rng.random() < 0.15
     sites: list[Site] = []
@@ -345,6 +363,134 @@ def _prior_like_guides(rng: random.Random, spec: Spec) -> None:
             parent = n["guide_parent"]
             n["gcoef"] = spec.site(parent).numbers["coef"]
             n["gloc"] = round(means[0] - n["gcoef"] * read(parent)[0], 2)
+
+
+def _gaussian_rows(spec: Spec) -> dict[tuple, tuple[float, dict[int, float]]]:
+    """
+    Every element of a linear-Gaussian spec, ``(site, key) -> (mean, {noise: loading})``, as an
+    affine function of independent standard normals (one per element), in the model's order.
+    """
+    rows: dict[tuple, tuple[float, dict[int, float]]] = {}
+    noises = itertools.count()
+
+    def keys(level):
+        if level not in ("inner", "outer"):
+            return [()]
+        shape = [p.size for p in spec.plates] if level == "inner" else [spec.plates[0].size]
+        return list(itertools.product(*[range(n) for n in shape]))
+
+    def parent_row(parent, key, t):
+        if parent in ("prev1", "prev2"):
+            lag = 1 if parent == "prev1" else 2
+            return rows.get(("h", (t - lag,)))
+        if parent == "h":
+            return rows[("h", (spec.chain.length - 1,))] if t is None else rows[("h", (t,))]
+        level = spec.site(parent).level
+        return rows[(parent, () if level == "global" else key[:1] if level == "outer" else key)]
+
+    for site in spec.sites:
+        n = site.numbers
+        if site.level == "chain":
+            elements = [((t,), t) for t in range(spec.chain.length)]
+        else:
+            elements = [(key, None) for key in keys(site.level)]
+        for key, t in elements:
+            mean, loading = n["bias"], {next(noises): n["sd"]}
+            for p in site.parents:
+                row = parent_row(p, key, t)
+                if row is None:
+                    continue
+                coef = n["c1"] if p == "prev1" else n["c2"] if p == "prev2" else spec.site(p).numbers["coef"]
+                mean += coef * row[0]
+                for k, v in row[1].items():
+                    loading[k] = loading.get(k, 0.0) + coef * v
+            rows[(site.name, key)] = (mean, loading)
+    return rows
+
+
+def _observed_data(spec: Spec, site: Site, key: tuple) -> float:
+    """The datum of one observed element (:func:`_prior_predictive_data`'s)."""
+    data = site.numbers["data"]
+    if site.level in ("global", "after"):
+        return data
+    if site.level == "chain":
+        return data[key[0]]
+    if site.level == "inner" and len(spec.plates) == 2:
+        return data[key[0]][key[1]]
+    return data[key[0]]
+
+
+def _posterior_like_guides(rng: random.Random, spec: Spec) -> None:
+    """
+    Gaussian guides a little broader than each latent's exact posterior marginal (the chain
+    family's linear-Gaussian cases, whose chains are up to 120 steps long: a guide like the
+    prior's then makes P_TMC / p(x) vanishingly small, with no usable mean). A guide that reads
+    a parent (``nonfact``) takes the posterior regression on it. Plate elements share one guide:
+    their means averaged, the broadest scale.
+    """
+    import torch  # (the generator needs it only here)
+
+    rows = _gaussian_rows(spec)
+    names = list(rows)
+    width = 1 + max(k for _, loading in rows.values() for k in loading)
+    loadings = torch.zeros(len(names), width, dtype=torch.float64)
+    for i, name in enumerate(names):
+        for k, v in rows[name][1].items():
+            loadings[i, k] = v
+    means = torch.tensor([rows[name][0] for name in names], dtype=torch.float64)
+    observed = [i for i, (site, _) in enumerate(names) if spec.site(site).observed]
+    latent = [i for i, (site, _) in enumerate(names) if not spec.site(site).observed]
+    x = torch.tensor([_observed_data(spec, spec.site(names[i][0]), names[i][1]) for i in observed])
+    cov = loadings @ loadings.T
+    gain = torch.linalg.solve(cov[observed][:, observed], cov[observed][:, latent]).T
+    post_mean = means[latent] + gain @ (x.double() - means[observed])
+    post_cov = cov[latent][:, latent] - gain @ cov[observed][:, latent]
+    index = {names[i]: j for j, i in enumerate(latent)}
+
+    def elements(site):
+        return [index[name] for name in names if name[0] == site.name]
+
+    def up(value):
+        return math.ceil(100 * value) / 100
+
+    for site in spec.latents():
+        n = site.numbers
+        mine = elements(site)
+        margin = rng.uniform(1.2, 1.4)
+        sds = post_cov.diagonal()[mine].sqrt()
+        n["gloc"] = round(post_mean[mine].mean().item(), 2)
+        n["glocs"] = [round(v, 2) for v in post_mean[mine].tolist()]
+        n["gscale"] = up(margin * sds.max().item())
+        if site.treatment != "nonfact":
+            continue
+        if site.level == "chain":  # loc_t = glocs[t] + gcoef * h_{t-1}
+            pairs = list(zip(mine[1:], mine[:-1])) or [(mine[0], mine[0])]
+            coef = sum((post_cov[a, b] / post_cov[b, b]).item() for a, b in pairs) / len(pairs)
+            n["gcoef"] = round(coef, 2) if len(mine) > 1 else 0.0
+            n["glocs"] = [n["glocs"][0]] + [
+                round((post_mean[a] - n["gcoef"] * post_mean[b]).item(), 2)
+                for a, b in zip(mine[1:], mine[:-1])
+            ]
+            residual = [post_cov[mine[0], mine[0]].item()] + [
+                (post_cov[a, a] - 2 * n["gcoef"] * post_cov[a, b] + n["gcoef"] ** 2 * post_cov[b, b]).item()
+                for a, b in zip(mine[1:], mine[:-1])
+            ]
+        else:  # loc = gloc + gcoef * parent (parent: a global or this element's)
+            parent = spec.site(n["guide_parent"])
+            theirs = elements(parent)
+            pairs = [
+                (a, theirs[0] if len(theirs) == 1 else theirs[i % len(theirs)]) for i, a in enumerate(mine)
+            ]
+            coef = sum((post_cov[a, b] / post_cov[b, b]).item() for a, b in pairs) / len(pairs)
+            n["gcoef"] = round(coef, 2)
+            n["gloc"] = round(
+                sum((post_mean[a] - n["gcoef"] * post_mean[b]).item() for a, b in pairs) / len(pairs), 2
+            )
+            residual = [
+                (post_cov[a, a] - 2 * n["gcoef"] * post_cov[a, b] + n["gcoef"] ** 2 * post_cov[b, b]).item()
+                for a, b in pairs
+            ]
+        n["gscale"] = up(margin * max(residual) ** 0.5)
 
 
 def _prior_predictive_data(rng: random.Random, spec: Spec) -> None:
@@ -563,7 +709,8 @@ def _draw_options(rng, spec, family):
     )
     if spec.autoguide is not None and (hand_plated or any(p.batch != p.size for p in spec.plates)):
         for s in spec.latents():  # AutoGuides subsample only by size, through create_plates: keep them global
-            if s.treatment == "auto" and s.level != "global":
+            outside_plates = family == "chain" and s.level in ("chain", "after")
+            if s.treatment == "auto" and s.level != "global" and not outside_plates:
                 s.treatment = "guide" if family != "enum" else "delta"
     if not any(s.treatment == "auto" for s in spec.latents()):
         spec.autoguide = None
@@ -595,6 +742,146 @@ def _draw_budget_autoguide(rng: random.Random, spec: Spec) -> None:
             s.treatment = "auto"
 
 
+# --------------------------------------------------------------------------- #
+# the chain family
+# --------------------------------------------------------------------------- #
+
+
+def _draw_chain_family(rng: random.Random, seed: int) -> Optional[Spec]:
+    """
+    A chain family case: 0-2 globals, a plate a third of the time, a chain (long a fifth of the
+    time) and its observations, under AutoGuides and hand-written guides. Linear-Gaussian cases
+    draw their kinds, plates and data as the gauss family does (``style``).
+    """
+    gaussian = rng.random() < 0.3
+    style = "gauss" if gaussian else "chain"
+    sites: list[Site] = []
+    spec = Spec(seed=seed, family="chain", sites=sites, linear_gaussian=gaussian)
+
+    def add(name, level, parents, kind=None, discrete_only=False, treatment=None):
+        kind = kind or _pick_kind(rng, style, discrete_only)
+        treatment = treatment or _chain_family_treatment(rng, gaussian, kind)
+        site = Site(name, kind, level, list(parents), treatment, _numbers(rng, kind, False))
+        sites.append(site)
+        return site
+
+    for g in range(rng.choice((0, 1, 1, 2))):
+        earlier = [s.name for s in sites]
+        add(f"g{g}", "global", rng.sample(earlier, k=min(len(earlier), rng.choice((0, 1)))))
+    global_names = [s.name for s in sites]
+    if rng.random() < 0.35:
+        _draw_plates(rng, spec, style, False, False, add, global_names)
+    _draw_family_chain(rng, spec, gaussian, add, global_names)
+    _draw_chain_autoguide(rng, spec)
+    _draw_options(rng, spec, "chain")
+    if gaussian:  # a long chain's log P_TMC spreads as sqrt(T / K): K=16 keeps its sd near 0.5
+        spec.options["num_samples"] = rng.choice((4, 8)) if spec.chain.length <= 64 else 16
+        if spec.chain.length > 8:  # (and no chain of 1-5 particles a step: no usable mean)
+            spec.site("h").numbers.pop("K", None)
+        if spec.options["proposal"] == "diagonal":  # (see _draw_options: no usable standard error)
+            spec.options["proposal"] = rng.choice(("mixture", "permutation"))
+    _fix_invalid(spec)
+    if gaussian:
+        _prior_predictive_data(rng, spec)
+        _posterior_like_guides(rng, spec)
+    if spec.autoguide in ("AutoMultivariateNormal", "AutoDiagonalNormal") and any(
+        p.batch != p.size for p in spec.plates
+    ):
+        spec.autoguide = "AutoNormal"
+    _draw_auto_init(rng, spec)
+    spec.features = sorted(features_of(spec))
+    return spec
+
+
+def _chain_family_treatment(rng: random.Random, gaussian: bool, kind: str) -> str:
+    """How the chain family's guide treats a latent: AutoGuides often, hand-written guides beside them."""
+    if gaussian:  # the AutoGuide's only on the chain: its one init_scale then fits (as the chain's)
+        return rng.choice(("guide", "guide", "prior", "nonfact"))
+    if kind in DISCRETE:
+        return rng.choice(("enum", "guide", "prior", "genum"))
+    return rng.choice(("auto", "auto", "guide", "delta", "prior", "nonfact"))
+
+
+def _draw_family_chain(rng, spec, gaussian, add, global_names):
+    """The chain family's chain: stable (``|c1| + |c2| < 1``), so that long chains stay of order one."""
+    long = rng.random() < CHAIN_LONG_FRACTION
+    length = rng.randint(*CHAIN_LONG) if long else rng.choice((1, 2, 3, 4, 6, 8, 12, 20))
+    history = rng.choice((1, 2))
+    kind = "Normal" if gaussian else rng.choice(("Normal",) * 6 + ("Categorical", "Bernoulli"))
+    parents = ["prev1"] + (["prev2"] if history == 2 else [])
+    reads = rng.sample(global_names, k=min(len(global_names), rng.choice((0, 1, 1))))
+    treatment = (
+        rng.choice(("auto", "auto", "auto", "guide", "guide", "nonfact", "delta", "prior"))
+        if kind == "Normal"
+        else rng.choice(("enum", "guide", "guide", "prior"))
+    )
+    if gaussian:
+        # for a usable mean of P_TMC / p(x): no Delta (its estimate is of p(x, z), not p(x)), the
+        # prior as proposal only on short chains, and a long chain reads no global (a mean-field
+        # guide misses the global's coupling to every step: the ratio's tail grows with T)
+        if treatment == "delta" or treatment == "prior" and length > 4:
+            treatment = "guide"
+        if long:
+            reads = []
+    parents += reads
+    h = add("h", "chain", parents, kind=kind, treatment=treatment)
+    c1 = _r(rng, -0.9, 0.9)
+    h.numbers["c1"] = c1
+    h.numbers["c2"] = round(rng.uniform(-1, 1) * (0.95 - abs(c1)), 2)
+    # a long chain needs the model's pyro.markov (its latents hold a dim each otherwise), and a
+    # guide that couples its steps needs its own
+    chain = Chain(length, history, markov_model=long or rng.random() < 0.8, markov_guide=rng.random() < 0.6)
+    if long and treatment == "nonfact":
+        chain.markov_guide = True
+    spec.chain = chain
+    extra = [] if gaussian else rng.sample(global_names, k=min(len(global_names), rng.choice((0, 0, 1))))
+    add("y", "chain", ["h"] + extra, kind="Normal", treatment="obs")
+    if rng.random() < 0.35:
+        add(
+            "d",
+            "after",
+            ["h"],
+            kind="Normal" if gaussian else rng.choice(("Normal", "Normal", "Categorical")),
+        )
+        add("yd", "after", ["d"], kind="Normal", treatment="obs")
+    if not gaussian and rng.random() < 0.2:
+        spec.irrelevant = rng.choice(("prior", "enum", "plate"))
+
+
+def _draw_chain_autoguide(rng: random.Random, spec: Spec) -> None:
+    """The AutoGuide of the chain family's "auto" latents (no AutoDelta in linear-Gaussian cases: no p(x))."""
+    if not any(s.treatment == "auto" for s in spec.latents()):
+        return
+    long = spec.chain.length > 64
+    if spec.linear_gaussian:  # one joint site over a long chain: a ratio too heavy-tailed to average
+        choices = ("AutoNormal",) * 3 + (("AutoDiagonalNormal",) if not long else ())
+    else:
+        choices = ("AutoNormal",) * 3 + ("AutoDelta", "AutoDiagonalNormal")
+    spec.autoguide = rng.choice(choices)
+
+
+def _draw_auto_init(rng: random.Random, spec: Spec) -> None:
+    """
+    The AutoGuide's ``init_scale`` and initial locations: in linear-Gaussian cases those of the
+    prior-like guides (broader than each latent's prior marginal, :func:`_prior_like_guides`),
+    else a drawn scale and ``init_to_feasible``'s locations (0 for a real site).
+    """
+    if spec.autoguide is None:
+        return
+    autos = [s for s in spec.latents() if s.treatment == "auto"]
+    if not spec.linear_gaussian:
+        spec.auto_init = {"scale": rng.choice((0.1, 0.5, 1.0)), "locs": {}}
+        return
+    locs = {}
+    for site in autos:
+        if site.level == "chain":
+            locs.update({f"{site.name}_{t}": v for t, v in enumerate(site.numbers["glocs"])})
+        elif site.level in ("global", "after"):
+            locs[site.name] = site.numbers["gloc"]
+    scale = max(s.numbers["gscale"] for s in autos)
+    spec.auto_init = {"scale": float(scale), "locs": locs}
+
+
 def _fix_invalid(spec: Spec) -> None:
     """Keep the pair valid: what a treatment needs of its site and of its parents."""
     names = {s.name: s for s in spec.sites}
@@ -620,7 +907,7 @@ def _fix_invalid(spec: Spec) -> None:
         h = spec.site("h")
         if h.treatment == "nonfact" and h.kind != "Normal":
             h.treatment = "guide"
-        if h.treatment in ("auto",) and spec.family != "budget":
+        if h.treatment in ("auto",) and spec.family not in ("budget", "chain"):
             h.treatment = "guide"  # AutoGuides do not see markov loops the way we write them
         if spec.chain.length > 1 and h.treatment == "enum" and not spec.chain.markov_model:
             pass  # a plain loop with enumerated states is valid (no recycling)
@@ -630,7 +917,7 @@ def _fix_invalid(spec: Spec) -> None:
                 site.treatment = "guide"
     # a model-only (prior) latent whose parent is a sampled or Delta guide latent: fine for TMC
     for site in spec.latents():
-        if site.treatment == "auto" and site.level == "chain" and spec.family != "budget":
+        if site.treatment == "auto" and site.level == "chain" and spec.family not in ("budget", "chain"):
             site.treatment = "delta" if spec.family == "enum" else "guide"
     if not any(s.treatment == "auto" for s in spec.latents()):
         spec.autoguide = None
@@ -729,6 +1016,33 @@ def features_of(spec: Spec) -> set:
         out.add("per_site_num_samples")
     if any(s.numbers["sd"] < 0.05 for s in spec.latents() if s.kind == "Normal"):
         out.add("stiff")
+    if spec.family == "chain":
+        out |= _chain_family_features(spec)
+    return out
+
+
+def _chain_family_features(spec: Spec) -> set:
+    """The chain family's own features (others' feature lists stay as they were)."""
+    out = set()
+    if spec.chain.length > 64:
+        out.add("chain:long")
+    if spec.linear_gaussian:
+        out.add("chain:linear_gaussian")
+        if spec.chain.length > 64:
+            out.add("chain:long_linear_gaussian")  # the exact log p(x) across recycled dims
+    h = spec.site("h")
+    if h.treatment == "auto":
+        out.add(f"chain:{spec.autoguide}")
+        if spec.chain.length > 64:
+            out.add(f"chain:long_{spec.autoguide}")
+        if guide_sites(spec):
+            out.add("chain:auto_beside_hand")
+    elif h.treatment in ("guide", "nonfact", "delta"):
+        out.add("chain:hand_markov" if spec.chain.markov_guide else "chain:hand_plain_loop")
+        if h.treatment == "nonfact" or any(s.numbers.get("guide_parent") == "h" for s in guide_sites(spec)):
+            out.add("chain:guide_reads_chain")  # long and in pyro.markov: its plain loop is refused
+        if spec.chain.length > 64:
+            out.add("chain:long_hand_markov" if spec.chain.markov_guide else "chain:long_hand_plain_loop")
     return out
 
 
@@ -1126,7 +1440,9 @@ def _render_guide(spec: Spec) -> str:
         if s.treatment == "auto"
         for name in ([f"{s.name}_{t}" for t in range(spec.chain.length)] if s.level == "chain" else [s.name])
     ]
-    if spec.autoguide:
+    if spec.autoguide and spec.auto_init is not None:
+        _render_initialised_autoguide(spec, out)
+    elif spec.autoguide:
         out.add(0, "def make_autoguide():")
         scale = ", init_scale=1.5" if spec.family == "gauss" and spec.autoguide != "AutoDelta" else ""
         out.add(
@@ -1167,35 +1483,76 @@ def _render_guide(spec: Spec) -> str:
             if not inside:
                 out.add(d, "pass")
     chain_sites = [s for s in mine if s.level == "chain"]
-    if chain_sites:
-        out.add(depth, "prev1 = None")
-        out.add(depth, f"for t in {_loop(spec.chain, spec.chain.markov_guide)}:")
-        for site in chain_sites:
-            out.add(
-                depth + 1,
-                f'h = pyro.sample(f"h_{{t}}", {_guide_dist(spec, site)}{_infer(site, spec, "guide")})',
-            )
-        out.add(depth + 1, "prev1 = h")
+    if chain_sites and not spec.chain_guide_last:
+        _render_guide_chain(spec, out, depth, chain_sites)
     for site in mine:
         if site.level == "after":
             out.add(
                 depth,
                 _guide_line(spec, site),
             )
+    if chain_sites and spec.chain_guide_last and not spec.autoguide:
+        _render_guide_chain(spec, out, depth, chain_sites)
     if len(out.lines) == start:
         out.add(depth, "pass")
     if spec.autoguide:
         out.add(0, "")
         out.add(0, "")
+        last = chain_sites and spec.chain_guide_last
+        if last:  # the chain's draws after the AutoGuide's, as an AutoGuide over it makes them
+            out.add(0, "def hand_chain():")
+            _render_guide_chain(spec, out, 1, chain_sites)
+            out.add(0, "")
+            out.add(0, "")
         out.add(0, "def make_guide():")
         out.add(1, "autoguide = make_autoguide()")
         out.add(0, "")
         out.add(1, "def guide():")
         out.add(2, "hand_guide()")
         out.add(2, "autoguide()")
+        if last:
+            out.add(2, "hand_chain()")
         out.add(0, "")
         out.add(1, "return guide")
     return "\n".join(out.lines)
+
+
+def _render_guide_chain(spec: Spec, out: _Lines, depth: int, chain_sites: list[Site]) -> None:
+    out.add(depth, "prev1 = None")
+    out.add(depth, f"for t in {_loop(spec.chain, spec.chain.markov_guide)}:")
+    for site in chain_sites:
+        out.add(
+            depth + 1,
+            f'h = pyro.sample(f"h_{{t}}", {_guide_dist(spec, site)}{_infer(site, spec, "guide")})',
+        )
+    out.add(depth + 1, "prev1 = h")
+
+
+def _render_initialised_autoguide(spec: Spec, out: _Lines) -> None:
+    """The chain family's AutoGuide: its sites (a chain's as a comprehension), scale and initial locations."""
+    names = [s.name for s in spec.latents() if s.treatment == "auto" and s.level != "chain"]
+    chain = [s.name for s in spec.latents() if s.treatment == "auto" and s.level == "chain"]
+    expose = repr(names) + "".join(f' + [f"{c}_{{t}}" for t in range({spec.chain.length})]' for c in chain)
+    locs = spec.auto_init["locs"]
+    out.add(0, "def make_autoguide():")
+    if locs:
+        out.add(1, "from pyro.infer.autoguide import init_to_value")
+        out.add(0, "")
+        values = {name: v for name, v in locs.items() if not any(name.startswith(f"{c}_") for c in chain)}
+        out.add(1, f"locs = {values!r}")
+        for c in chain:
+            steps = [locs[f"{c}_{t}"] for t in range(spec.chain.length)]
+            out.add(1, f'locs.update({{f"{c}_{{t}}": v for t, v in enumerate({steps!r})}})')
+        out.add(1, "values = {name: torch.tensor(v) for name, v in locs.items()}")
+        out.add(1, "init_loc_fn = init_to_value(values=values, fallback=init_to_feasible)")
+    else:
+        out.add(1, "init_loc_fn = init_to_feasible")
+    scale = f", init_scale={spec.auto_init['scale']}" if spec.autoguide != "AutoDelta" else ""
+    out.add(
+        1, f"return {spec.autoguide}(poutine.block(model, expose={expose}), init_loc_fn=init_loc_fn{scale})"
+    )
+    out.add(0, "")
+    out.add(0, "")
 
 
 # --------------------------------------------------------------------------- #

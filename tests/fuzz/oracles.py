@@ -18,11 +18,16 @@ a list of :class:`Check` results (what was compared, expected, got, pass or not)
 - :func:`captured_oracle`: the captured whole step (``compile="graph"``, rolled) replayed
   from one RNG state equals the eager step: value and gradients. :func:`inductor_oracle`:
   the same compiled by inductor (opt-in: ``--oracle inductor``).
+- :func:`chain_twin_oracle`: an AutoGuide's chain (``AutoNormal``, ``AutoDelta``) against the
+  same guide written by hand, in ``pyro.markov`` and as a plain loop, with the AutoGuide's
+  initial parameters: the same draws, so the same value and gradients.
 """
 
 import contextlib
 import itertools
 import math
+import random
+import re
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -726,11 +731,12 @@ def invariance_oracle(case: Case, which=None) -> list[Check]:
                 continue
             checks.append(_same_value("num_particles=2", case, two, lambda: tmc_elbo(spec, num_particles=2)))
         elif option == "markov" and spec.chain is not None:
-            for mm, gm in ((True, True), (False, False), (True, False), (False, True)):
-                if (mm, gm) == (spec.chain.markov_model, spec.chain.markov_guide):
-                    continue
+            for mm, gm, refused in _markov_variants(spec):
                 other = case.variant()
                 other.spec.chain.markov_model, other.spec.chain.markov_guide = mm, gm
+                if refused:
+                    checks.append(_refuses_clearly(f"markov(model={mm},guide={gm}) refuses", case, other))
+                    continue
                 checks.append(
                     _same_value(
                         f"markov(model={mm},guide={gm})", case, reference, lambda: tmc_elbo(spec), other
@@ -758,6 +764,141 @@ def invariance_oracle(case: Case, which=None) -> list[Check]:
                     )
                 )
     return [c for c in checks if c is not None]
+
+
+def _markov_variants(spec: Spec) -> list[tuple]:
+    """
+    ``(model, guide, refused)``: where the model and the guide may write ``pyro.markov`` instead
+    of the case, and whether the library must then refuse, with an error that names the site and
+    says to wrap the guide's loop in ``pyro.markov``. In the chain family a long chain's model
+    keeps it (its latents would need a dim each: beyond 64), a long chain's guide that a guide
+    site reads the chain through (a step reading the one before, or a site after the loop) must
+    keep it (its recycled dims would be read ambiguously: refused), and where the guide does not
+    loop over the chain (an AutoGuide's, the prior's) its loop is not varied.
+    """
+    current = (spec.chain.markov_model, spec.chain.markov_guide)
+    variants = [v for v in ((True, True), (False, False), (True, False), (False, True)) if v != current]
+    if spec.family != "chain":
+        return [(mm, gm, False) for mm, gm in variants]
+    h = spec.site("h")
+    long = spec.chain.length > 64
+    hand = h.treatment in ("guide", "nonfact", "delta", "genum")
+    # a prior-drawn step with two particle parents (history 2) chooses its ancestors parent dim by
+    # parent dim, in the order of the dims, which the model's pyro.markov recycling changes from
+    # the fifth step on: other draws, each estimate exact on its own (brute force, 5 steps)
+    redrawn = (
+        h.treatment == "prior"
+        and spec.chain.history == 2
+        and spec.chain.length > 4
+        and spec.options["proposal"] in ("mixture", "permutation")
+    )
+    reads_chain = h.treatment == "nonfact" or any(
+        s.treatment == "nonfact" and s.numbers.get("guide_parent") == "h" for s in spec.latents()
+    )
+    out = []
+    for mm, gm in variants:
+        if long and not mm or not hand and gm != current[1] or redrawn and mm != current[0]:
+            continue
+        out.append((mm, gm, long and hand and not gm and reads_chain))
+    return out
+
+
+def _refuses_clearly(name: str, case: Case, other: Case) -> Check:
+    """A guide whose recycled particle dims would be read ambiguously: an error naming site and fix."""
+    try:
+        run(other, tmc_elbo(case.spec))
+    except Exception as error:  # noqa: BLE001
+        message = str(error)
+        ok = "Guide site '" in message and "Wrap the guide's loop over the chain in pyro.markov" in message
+        return Check("invariance", name, ok, "a clear refusal", f"{type(error).__name__}: {message[:300]}")
+    return Check("invariance", name, False, "a clear refusal", "a value")
+
+
+# --------------------------------------------------------------------------- #
+# the chain family: an AutoGuide's chain against the same guide by hand
+# --------------------------------------------------------------------------- #
+
+
+def chain_twin(case: Case, markov: bool) -> Case:
+    """
+    The case with its AutoGuide's chain written by hand: mean-field, with the AutoGuide's initial
+    locations and scale (``AutoDelta``: a Delta at its locations), within ``pyro.markov`` or as a
+    plain loop, and drawn after the AutoGuide's other sites, as the AutoGuide draws it.
+    """
+    twin = case.variant(chain_guide_last=True)
+    spec = twin.spec
+    h = spec.site("h")
+    locs = spec.auto_init["locs"]
+    h.numbers["glocs"] = [locs.get(f"h_{t}", 0.0) for t in range(spec.chain.length)]
+    h.numbers["gscale"] = spec.auto_init["scale"]
+    h.numbers.pop("K", None)
+    h.treatment = "delta" if spec.autoguide == "AutoDelta" else "guide"
+    spec.chain.markov_guide = markov
+    if not any(s.treatment == "auto" for s in spec.latents()):
+        spec.autoguide = None
+    return twin
+
+
+def _chain_grads(spec: Spec, grads: dict[str, torch.Tensor], prefix: str) -> Optional[torch.Tensor]:
+    """The gradients of the chain's locations, by step (``prefix + "h_{t}"``), or ``None`` without any."""
+    steps = [grads.get(f"{prefix}h_{t}") for t in range(spec.chain.length)]
+    if all(g is None for g in steps):
+        return None
+    return torch.stack([torch.zeros(()) if g is None else g.reshape(()) for g in steps])
+
+
+def chain_twin_oracle(case: Case) -> list[Check]:
+    """
+    ``AutoNormal`` (or ``AutoDelta``) over a chain's sites, drawn outside ``pyro.markov`` (their
+    particle dims recycled along the model's markov structure), against the hand-written guide of
+    :func:`chain_twin` in ``pyro.markov`` and as a plain loop: on the same draws, the same value,
+    the same gradients of the chain's locations, and of every parameter the two share.
+    """
+    spec = case.spec
+    auto_after = any(s.treatment == "auto" and s.level == "after" for s in spec.latents())
+    if (
+        spec.family != "chain"
+        or spec.autoguide not in ("AutoNormal", "AutoDelta")
+        or spec.site("h").treatment != "auto"
+        or auto_after  # the AutoGuide draws it after the chain: the twin's draws would come in another order
+    ):
+        raise NotApplicable
+    try:
+        expected, expected_grads = run(case, tmc_elbo(spec), grads=True)
+    except Exception as error:  # noqa: BLE001
+        if _is_refusal(error):
+            raise NotApplicable from error
+        return [
+            Check("chaintwin", "AutoGuide runs", False, "a value", f"{type(error).__name__}: {error}"[:300])
+        ]
+    prefix = "AutoNormal.locs." if spec.autoguide == "AutoNormal" else "AutoDelta."
+    want = _chain_grads(spec, expected_grads, prefix)
+    chain_params = re.compile(re.escape(spec.autoguide) + r"\.(locs\.|scales\.)?h_\d+")
+    shared = {n: g for n, g in expected_grads.items() if not chain_params.fullmatch(n)}
+    checks = []
+    for markov in (True, False):
+        label = "pyro.markov" if markov else "plain loop"
+        try:
+            got, grads = run(chain_twin(case, markov), tmc_elbo(spec), grads=True)
+        except Exception as error:  # noqa: BLE001
+            checks.append(
+                Check(
+                    "chaintwin", f"{label}: value", False, expected, f"{type(error).__name__}: {error}"[:300]
+                )
+            )
+            continue
+        checks.append(Check("chaintwin", f"{label}: value", close(got, expected), expected, got))
+        have = grads.get("q_h_loc")
+        if want is not None or have is not None:
+            want_ = torch.zeros(spec.chain.length) if want is None else want
+            have_ = torch.zeros(spec.chain.length) if have is None else have
+            differs = _grads_differ({"chain locs": have_}, {"chain locs": want_})
+        else:
+            differs = None
+        differs = differs or _grads_differ({n: g for n, g in grads.items() if n in shared}, shared)
+        ok = differs is None
+        checks.append(Check("chaintwin", f"{label}: grads", ok, "equal", differs or "equal"))
+    return checks
 
 
 # --------------------------------------------------------------------------- #
@@ -985,9 +1126,11 @@ def _observed_values(spec: Spec) -> dict:
 def unbiasedness_oracle(case: Case, draws: int = 300) -> list[Check]:
     """The mean of P_TMC / p(x) over independent draws is 1 within 5 measured standard errors."""
     spec = case.spec
-    if spec.family != "gauss":
+    if spec.family != "gauss" and not spec.linear_gaussian:
         raise NotApplicable
     log_p = gaussian_log_evidence(spec)
+    if spec.family == "chain":  # fewer draws of a longer chain (posterior-like guides, K=16 past 64 steps)
+        draws = 200 if spec.chain.length <= 64 else 100
     checks = []
     with default_dtype(torch.float64):
         for loss in ("TMC_ELBO",):
@@ -1049,11 +1192,23 @@ def _step(step, params: dict):
 
 #: the losses the captured-step oracle runs, one per case (by seed), and the case options each takes
 CAPTURED_LOSSES = ("TMC_ELBO", "TMC_ELBO", "TMC_ELBO", "IWAE_ELBO", "TMC_RWS")
+#: the share of the chain family's cases that the captured-step oracle judges, and of its long
+#: chains (a capture traces each step of the chain: 10-90 s at 65-120 steps)
+CHAIN_CAPTURED = 0.25
+CHAIN_CAPTURED_LONG = 1 / 16
 CAPTURED_OPTIONS = {
     "TMC_ELBO": ("variance_reduction", "max_factor_bytes"),
     "IWAE_ELBO": ("variance_reduction",),
     "TMC_RWS": (),
 }
+
+
+def captures(spec: Spec) -> bool:
+    """Whether the captured-step oracle judges the case: every case but the chain family's few (by seed)."""
+    if spec.family != "chain":
+        return True
+    share = CHAIN_CAPTURED if spec.chain.length <= 64 else CHAIN_CAPTURED_LONG
+    return random.Random(f"captured-{spec.seed}").random() < share
 
 
 def captured_oracle(case: Case, compile: str = "graph") -> list[Check]:
@@ -1071,6 +1226,8 @@ def captured_oracle(case: Case, compile: str = "graph") -> list[Check]:
         (its own random draws replaced by torch's, ``fallback_random``, so that the numbers
         are the eager step's), to :data:`INDUCTOR_RTOL`.
     """
+    if not captures(case.spec):
+        raise NotApplicable
     dtype = torch.float64 if case.spec.seed % 2 else torch.get_default_dtype()
     with default_dtype(dtype):
         checks = _captured_checks(case, compile)
@@ -1085,6 +1242,10 @@ def _captured_checks(case: Case, compile: str) -> list[Check]:
     spec = case.spec
     name = CAPTURED_LOSSES[spec.seed % len(CAPTURED_LOSSES)]
     options = {k: spec.options[k] for k in CAPTURED_OPTIONS[name] if spec.options.get(k)}
+    if spec.chain is not None and spec.chain.length > 64:
+        # every factor of a long chain sliced under a tiny budget: a capture traces every slice
+        # (minutes); the eager budget is the invariance oracle's, the budget family's
+        options.pop("max_factor_bytes", None)
     if compile == "inductor":
         options["compile_options"] = {"options": {"fallback_random": True}}
     rtol = INDUCTOR_RTOL if compile == "inductor" else RTOL
@@ -1151,6 +1312,7 @@ ORACLES: dict[str, Callable] = {
     "unbiased": unbiasedness_oracle,
     "captured": captured_oracle,
     "budget": budget_oracle,
+    "chaintwin": chain_twin_oracle,
     "inductor": inductor_oracle,  # opt-in (--oracle inductor): a compile per case
 }
 
@@ -1162,6 +1324,7 @@ FAMILY_ORACLES = {
     "general": ("dtype", "invariance", "readout", "captured"),
     "gauss": ("unbiased",),
     "budget": ("budget",),
+    "chain": ("dtype", "invariance", "readout", "chaintwin", "unbiased", "captured"),
 }
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from .generator import EXTRA_FAMILIES, FAMILIES, features_of, make_case
-from .oracles import Check, check_case
+from .oracles import Check, captures, check_case
 
 NUM_CASES = int(os.environ.get("PYRO_TMC_FUZZ_CASES", "200"))
 FIRST_SEED = int(os.environ.get("PYRO_TMC_FUZZ_SEED", "0"))
@@ -76,7 +76,18 @@ def test_fuzz_case(seed):
 #: budgets. Before R4 of issue 42 was fixed, the code failed on all but the first two (50030:
 #: AutoDiagonalNormal, 50059: AutoDelta): a message of K^T elements, gigabytes asked for (a
 #: gradient off by 0.7% on 50805).
-EXTRA_SEEDS = {"budget": (50030, 50059, 50400, 50620, 50731, 50805, 50869, 51092, 51410, 51519)}
+#: The chain family's: AutoGuides and hand-written guides on chains, long ones (65-120 steps)
+#: among them: AutoNormal (60202, K=3, against the same guide by hand: the oracle that catches
+#: a recycled dim misplaced), AutoDelta (60196), AutoDiagonalNormal (60108), a hand-written
+#: plain loop on a linear-Gaussian chain judged by its exact log p(x) (60237), one in
+#: pyro.markov whose plain loop must be refused clearly (60080), short chains under AutoGuides
+#: beside hand-written guides (60028, 60050, 60218), a short linear-Gaussian AutoNormal (60099)
+#: and captured steps (60021, 60218). Before R5 of issue 42 was fixed, 60202, 60237 and 60080
+#: failed (a particle dim -65 asked for).
+EXTRA_SEEDS = {
+    "budget": (50030, 50059, 50400, 50620, 50731, 50805, 50869, 51092, 51410, 51519),
+    "chain": (60021, 60028, 60050, 60080, 60099, 60108, 60196, 60202, 60218, 60237),
+}
 
 
 @pytest.mark.parametrize("family, seed", [(f, s) for f in EXTRA_FAMILIES for s in EXTRA_SEEDS[f]])
@@ -155,10 +166,34 @@ BUDGET_FEATURES = {
 }
 
 
+#: what the chain family's CI seeds must cover between them
+CHAIN_FEATURES = {
+    "chain:long_AutoNormal",
+    "chain:long_AutoDelta",
+    "chain:long_AutoDiagonalNormal",
+    "chain:long_hand_plain_loop",
+    "chain:long_hand_markov",
+    "chain:guide_reads_chain",
+    "chain:auto_beside_hand",
+    "chain:linear_gaussian",
+    "chain:long_linear_gaussian",
+    "markov:reads_global",
+    "markov:history2",
+}
+
+
 def test_extra_seeds_cover_the_features():
-    """The budget family's CI seeds cover its AutoGuides, nested plates and chains that read a global."""
+    """
+    The budget family's CI seeds cover its AutoGuides, nested plates and chains that read a
+    global; the chain family's, its AutoGuides on long chains, hand-written loops (plain, and in
+    pyro.markov), a linear-Gaussian chain and a captured step.
+    """
     seen = set().union(*(features_of(make_case(seed, "budget").spec) for seed in EXTRA_SEEDS["budget"]))
     assert seen >= BUDGET_FEATURES, sorted(BUDGET_FEATURES - seen)
+    specs = [make_case(seed, "chain").spec for seed in EXTRA_SEEDS["chain"]]
+    seen = set().union(*(features_of(spec) for spec in specs))
+    assert seen >= CHAIN_FEATURES, sorted(CHAIN_FEATURES - seen)
+    assert any(captures(spec) for spec in specs), "no chain seed's step is captured"
 
 
 def test_ci_seeds_cover_the_features():
