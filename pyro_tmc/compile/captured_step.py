@@ -60,7 +60,7 @@ import gc
 import time
 import warnings
 from collections.abc import Iterator
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -79,6 +79,7 @@ from pyro_tmc.compile.compiled import (
     warn_fallback,
 )
 from pyro_tmc.compile.config import CompileConfig, compile_config
+from pyro_tmc.compile.flatten import Flattener, fill
 from pyro_tmc.compile.forward_trace import (
     GradModeMarks,
     HookWatch,
@@ -104,55 +105,19 @@ ROLLED_FROM = "pyro_tmc_rolled_from"
 # -- what a step is, for a key ------------------------------------------------------------
 
 
-_ATOMS = (type(None), bool, int, float, str, torch.dtype, torch.device)
-
-
 def flatten_arguments(args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], tuple, Callable]:
     """
     The tensors among a step's arguments, a key for the rest, and a function that
-    rebuilds ``(args, kwargs)`` around other tensors. Tuples, lists and dicts are
-    walked; another object is keyed by its identity.
+    rebuilds ``(args, kwargs)`` around other tensors (:mod:`pyro_tmc.compile.flatten`:
+    containers are walked; another object is keyed by its identity).
     """
-    tensors: list[torch.Tensor] = []
-    key: list[Any] = []
-
-    def walk(obj):
-        if isinstance(obj, torch.Tensor):
-            tensors.append(obj)
-            key.append(("T", tuple(obj.shape), obj.dtype, obj.device, obj.requires_grad))
-            return _Slot(len(tensors) - 1)
-        if isinstance(obj, _ATOMS):
-            key.append(obj)
-            return obj
-        if type(obj) in (tuple, list):
-            key.append((type(obj), len(obj)))
-            return type(obj)(walk(item) for item in obj)
-        if type(obj) is dict:
-            key.append((dict, tuple(obj)))
-            return {name: walk(value) for name, value in obj.items()}
-        key.append(("id", type(obj), id(obj)))
-        return obj
-
-    template = (walk(tuple(args)), walk(dict(kwargs)))
-
-    def rebuild(inputs: list[torch.Tensor]) -> tuple[tuple, dict]:
-        return _fill(template[0], inputs), _fill(template[1], inputs)
-
-    return tensors, tuple(key), rebuild
+    flattener = Flattener(_argument_key)
+    template = flattener.flatten((tuple(args), dict(kwargs)))
+    return flattener.tensors, tuple(flattener.key), lambda inputs: fill(template, inputs)
 
 
-class _Slot(NamedTuple):
-    index: int
-
-
-def _fill(obj, inputs: list[torch.Tensor]):
-    if isinstance(obj, _Slot):
-        return inputs[obj.index]
-    if type(obj) in (tuple, list):
-        return type(obj)(_fill(item, inputs) for item in obj)
-    if type(obj) is dict:
-        return {name: _fill(value, inputs) for name, value in obj.items()}
-    return obj
+def _argument_key(tensor: torch.Tensor) -> tuple:
+    return "T", tuple(tensor.shape), tensor.dtype, tensor.device, tensor.requires_grad
 
 
 class StructureRecorder(Messenger):

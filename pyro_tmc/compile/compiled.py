@@ -50,6 +50,7 @@ from pyro.poutine import Trace
 
 from pyro_tmc.compile.background_compile import BackgroundCompile
 from pyro_tmc.compile.config import CompileConfig
+from pyro_tmc.compile.flatten import Flattener, fill
 from pyro_tmc.compile.forward_trace import custom_backward
 from pyro_tmc.estimate.checks import validate_samples
 from pyro_tmc.estimate.evaluation import EvaluationPlan
@@ -61,91 +62,17 @@ from pyro_tmc.poutine.proposals import ProposalStrategy
 MODES = (None, "graph", "inductor")
 
 
-class _Leaf:
-    """A placeholder for the i-th input tensor."""
-
-    __slots__ = ("index",)
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-
-
-class _Flattener:
+def _fields_of(obj) -> Optional[dict]:
     """
-    Walks site dicts and replaces every tensor by a :class:`_Leaf`, recording a key
-    for the rest. Distributions, transforms, proposal strategies and dataclasses
-    are copied field by field; an object of any other type is kept as it is and
-    keyed by its identity (a tensor it holds is not an input: tracing with fake
+    The fields a draw's object is copied by (:class:`~pyro_tmc.compile.flatten.Flattener`):
+    of distributions, their transforms, proposal strategies and dataclasses (a site's
+    ParticleDraw, the scale plan), those in the plan (:func:`_in_plan`); ``None`` for any
+    other object, kept as it is (a tensor it holds is not an input: tracing with fake
     tensors then fails, and the eager path runs).
     """
-
-    def __init__(self) -> None:
-        self.tensors: list[torch.Tensor] = []
-        self._index: dict[int, int] = {}
-        self.key: list[Any] = []
-        #: ``(site name, object)`` for each object kept as it is (a failed trace names them)
-        self.kept: list[tuple[Optional[str], Any]] = []
-        self._site: Optional[str] = None
-
-    def leaf(self, tensor: torch.Tensor) -> _Leaf:
-        index = self._index.get(id(tensor))
-        if index is None:
-            index = self._index[id(tensor)] = len(self.tensors)
-            self.tensors.append(tensor)
-            self.key.append(
-                ("T", tuple(tensor.shape), tensor.stride(), tensor.dtype, tensor.device, tensor.requires_grad)
-            )
-            self.key.append(tuple(sorted(_tensor_attributes(tensor))))  # _pyro_dims and the like
-        else:
-            self.key.append(("alias", index))
-        return _Leaf(index)
-
-    def walk(self, obj):
-        if isinstance(obj, torch.Tensor):
-            return self.leaf(obj)
-        kind = type(obj)
-        if kind in _ATOMS:
-            self.key.append(obj)
-            return obj
-        if kind is tuple or kind is list:
-            self.key.append((kind, len(obj)))
-            return kind(self.walk(item) for item in obj)
-        if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple (a plate frame)
-            if all(type(item) in _ATOMS for item in obj):
-                self.key.append(obj)
-                return obj
-            self.key.append(kind)
-            return kind(*(self.walk(item) for item in obj))
-        if isinstance(obj, dict):
-            self.key.append((dict, tuple(obj)))
-            return {k: self.walk(v) for k, v in obj.items()}
-        if _copied_field_by_field(obj):
-            self.key.append(kind)
-            copy = object.__new__(kind)
-            copy.__dict__.update({k: self.walk(v) for k, v in vars(obj).items() if _in_plan(obj, k)})
-            return copy
-        # Anything else is kept as it is, and the plan is this very object: a new one
-        # (say, a callable made afresh each step) is a new plan, traced again, never a
-        # stale constant.
-        self.key.append(("opaque", kind, id(obj)))
-        self.kept.append((self._site, obj))
-        return obj
-
-    def walk_site(self, site: dict) -> dict:
-        """
-        Every field of a sample site: what the factor code reads of it is then in
-        the key, whatever it reads, with no list of fields to keep in step with it.
-        """
-        self._site = site.get("name")
-        try:
-            return {field: self.walk(value) for field, value in site.items()}
-        finally:
-            self._site = None
-
-
-def _copied_field_by_field(obj) -> bool:
-    """Distributions, their transforms, proposal strategies and dataclasses (a site's ParticleDraw)."""
-    return isinstance(obj, (Distribution, Transform, ProposalStrategy)) or dataclasses.is_dataclass(obj)
+    if isinstance(obj, (Distribution, Transform, ProposalStrategy)) or dataclasses.is_dataclass(obj):
+        return {k: v for k, v in vars(obj).items() if _in_plan(obj, k)}
+    return None
 
 
 #: fields of those objects that are not part of the plan: validation (a graph never
@@ -164,8 +91,22 @@ def _in_plan(obj, field: str) -> bool:
     return field not in _NOT_PLAN or (field == "_inv" and isinstance(obj, _InverseTransform))
 
 
-#: immutable values that go into the key as they are
-_ATOMS = frozenset([type(None), bool, int, float, str, torch.dtype, torch.device, torch.Size])
+def _rebuilt(kind: type, fields: dict):
+    """An object copied by :func:`_fields_of`, around its filled fields."""
+    copy = object.__new__(kind)
+    copy.__dict__.update(fields)
+    if isinstance(copy, Transform) and not _in_plan(copy, "_inv"):
+        copy._inv = None
+    if isinstance(copy, Distribution):
+        # a support check branches on values: it runs eagerly instead (checks.validate_samples)
+        copy._validate_args = False
+    return copy
+
+
+def _tensor_key(tensor: torch.Tensor) -> tuple:
+    """What a traced estimate bakes in of an input tensor, and the attributes set on it."""
+    spec = ("T", tuple(tensor.shape), tensor.stride(), tensor.dtype, tensor.device, tensor.requires_grad)
+    return spec, tuple(sorted(_tensor_attributes(tensor)))  # _pyro_dims and the like
 
 
 def _tensor_attributes(tensor: torch.Tensor) -> dict:
@@ -175,31 +116,6 @@ def _tensor_attributes(tensor: torch.Tensor) -> dict:
     would change the key after the first compile.
     """
     return {k: v for k, v in getattr(tensor, "__dict__", {}).items() if not k.startswith("_dynamo")}
-
-
-def _fill(obj, inputs: list[torch.Tensor]):
-    """The flattened object with each :class:`_Leaf` replaced by its input tensor."""
-    if isinstance(obj, _Leaf):
-        return inputs[obj.index]
-    kind = type(obj)
-    if kind in _ATOMS:
-        return obj
-    if kind is tuple or kind is list:
-        return kind(_fill(item, inputs) for item in obj)
-    if isinstance(obj, tuple):  # a namedtuple
-        return kind(*(_fill(item, inputs) for item in obj))
-    if isinstance(obj, dict):
-        return {k: _fill(v, inputs) for k, v in obj.items()}
-    if _copied_field_by_field(obj):
-        copy = object.__new__(type(obj))
-        copy.__dict__.update({k: _fill(v, inputs) for k, v in vars(obj).items() if _in_plan(obj, k)})
-        if isinstance(copy, Transform) and not _in_plan(copy, "_inv"):
-            copy._inv = None
-        if isinstance(copy, Distribution):
-            # a support check branches on values: it runs eagerly instead (checks.validate_samples)
-            copy._validate_args = False
-        return copy
-    return obj
 
 
 @dataclasses.dataclass
@@ -212,12 +128,12 @@ class FlatDraw:
     source_template: dict
     key: tuple
     tensor_attributes: list[dict]
-    #: ``(site name, object)`` for each object the flattening kept as it is (:class:`_Flattener`)
+    #: ``(site name, object)`` for each object the flattening kept as it is (:class:`Flattener`)
     kept: list[tuple[Optional[str], Any]] = dataclasses.field(default_factory=list)
 
     def traces(self, inputs: list[torch.Tensor]) -> tuple[Trace, Trace, ScalePlan]:
         """The draw's (model, guide) traces (their sample sites) and scale plan, around ``inputs``."""
-        model_nodes, guide_nodes, scales = _fill(self.template, inputs)
+        model_nodes, guide_nodes, scales = fill(self.template, inputs)
         return _trace_of(model_nodes), _trace_of(guide_nodes), scales
 
 
@@ -228,19 +144,29 @@ def _trace_of(nodes: dict) -> Trace:
     return trace
 
 
-def _sample_sites(flattener: _Flattener, trace) -> dict:
-    return {name: flattener.walk_site(site) for name, site in trace.nodes.items() if site["type"] == "sample"}
+def _sample_sites(flattener: Flattener, trace) -> dict:
+    """
+    Every field of each sample site: what the factor code reads of it is then in the key,
+    whatever it reads, with no list of fields to keep in step with it.
+    """
+    sites = {}
+    for name, site in trace.nodes.items():
+        if site["type"] == "sample":
+            flattener.site = name
+            sites[name] = flattener.flatten(site)
+    flattener.site = None
+    return sites
 
 
 def flatten_draw(draw, sources: Optional[dict[str, torch.Tensor]], detach_guide_proposals: bool) -> FlatDraw:
     """Flatten a draw's traces (their sample sites and scale plan) into tensors and a key."""
-    flattener = _Flattener()
+    flattener = Flattener(_tensor_key, _fields_of, _rebuilt)
     template = (
         _sample_sites(flattener, draw.model_trace),
         _sample_sites(flattener, draw.guide_trace),
-        flattener.walk(draw.plan.scales),
+        flattener.flatten(draw.plan.scales),
     )
-    source_template = flattener.walk(dict(sources or {}))
+    source_template = flattener.flatten(dict(sources or {}))
     flattener.key.append(("detach", detach_guide_proposals, torch.get_default_dtype()))
     attributes = [_tensor_attributes(t) for t in flattener.tensors]
     return FlatDraw(
@@ -259,7 +185,7 @@ def _estimate_function(flat: FlatDraw, detach_guide_proposals: bool) -> Callable
             for name, value in attributes.items():
                 setattr(tensor, name, value)
         model_trace, guide_trace, scales = flat.traces(inputs)
-        sources = _fill(flat.source_template, inputs)
+        sources = fill(flat.source_template, inputs)
         # no branch on values while tracing: each log-space product flags its underflow instead
         with deferred_underflow_checks() as flags:
             # whole factors: a draw with sliced factors runs eagerly (TMCDraw.log_estimate)
