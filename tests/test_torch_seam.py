@@ -22,25 +22,7 @@ PRIVATE_ATTRIBUTES = {"_schema", "_root", "_forward_cls", "_dynamo"}
 
 #: private torch names that modules still use directly, each (module, name), to be moved behind the
 #: seam: the list only shrinks (a listed use that is gone fails, so that it is dropped here)
-KNOWN = {
-    ("compile/background_compile.py", "torch._dynamo"),
-    ("compile/background_compile.py", "torch._higher_order_ops.triton_kernel_wrap"),
-    ("compile/captured_step.py", "'_schema'"),
-    ("compile/captured_step.py", "torch.fx._lazy_graph_module._LazyGraphModule"),
-    ("compile/captured_step.py", "torch.fx._lazy_graph_module._use_lazy_graph_module"),
-    ("compile/captured_step.py", "torch.fx.experimental.proxy_tensor.make_fx"),
-    ("compile/compiled.py", "'_dynamo'"),
-    ("compile/compiled.py", "torch._functorch.config"),
-    ("compile/compiled.py", "torch._guards.TracingContext"),
-    ("compile/compiled.py", "torch._guards.tracing"),
-    ("compile/compiled.py", "torch._inductor.compile"),
-    ("compile/compiled.py", "torch._inductor.config"),
-    ("compile/compiled.py", "torch._inductor.list_mode_options"),
-    ("compile/compiled.py", "torch._subclasses.fake_tensor.FakeTensorMode"),
-    ("compile/compiled.py", "torch.distributions.transforms._InverseTransform"),
-    ("compile/compiled.py", "torch.fx.experimental.proxy_tensor.make_fx"),
-    ("compile/compiled.py", "torch.fx.experimental.symbolic_shapes.ShapeEnv"),
-}
+KNOWN: set = set()
 
 
 def _private_module(dotted: str) -> bool:

@@ -164,9 +164,9 @@ def _read_tail(path: str, size: int = 600) -> str:
 
 def _compile_job(path: str) -> None:
     """The child: compile the pickled graph on empty inputs of its examples' specs, into inductor's cache."""
-    import torch._dynamo  # noqa: F401 (inductor's tracing expects dynamo's modules loaded)
-    import torch._higher_order_ops.triton_kernel_wrap  # noqa: F401
+    from pyro_tmc._torch import load_inductor_tracing
 
+    load_inductor_tracing()  # inductor's tracing expects dynamo's modules loaded
     with open(path, "rb") as file:
         blob, specs, settings, compile_graph = pickle.load(file)
     graph = pickle.loads(blob)

@@ -68,6 +68,7 @@ import pyro
 from pyro.poutine.messenger import Messenger
 
 from pyro_tmc._pyro import param_store_holding
+from pyro_tmc._torch import LazyGraphModule, make_fx, schema_of, use_lazy_graph_module
 from pyro_tmc.compile.background_compile import warn_replayed_uncompiled
 from pyro_tmc.compile.compiled import (
     MODES,
@@ -308,9 +309,6 @@ def capture_step(
     :raises GraphFallback: where tracing fails (a branch on values, a tensor read
         that is not an input).
     """
-    from torch.fx._lazy_graph_module import _use_lazy_graph_module
-    from torch.fx.experimental.proxy_tensor import make_fx
-
     params = unconstrained_parameters(param_names)
     modules = live_modules()
     holders = modules_holding(params, modules)
@@ -348,7 +346,7 @@ def capture_step(
     try:
         # a lazy graph writes its Python code at its first call, not at each recompile: a long
         # step's graph is rewritten by rolling and may never run (tens of thousands of operations)
-        with _use_lazy_graph_module(True):
+        with use_lazy_graph_module(True):
             forward_graph = make_fx(forward, tracing_mode="fake")(*as_leaves(inputs, num_params))
             _check_buffers_read_only(forward_graph, buffers, num_params + num_arguments)
             if not own_backward[-1]:
@@ -395,7 +393,7 @@ def _check_buffers_read_only(
     if not names:
         return
     for node in forward.graph.nodes:
-        schema = getattr(node.target, "_schema", None)
+        schema = schema_of(node.target)
         if node.op != "call_function" or schema is None:
             continue
         for argument, value in zip(schema.arguments, node.args):
@@ -411,7 +409,7 @@ def _check_buffers_read_only(
 def _base(value):
     """The graph node a view chain starts from (``value`` itself if it is not a view)."""
     while isinstance(value, torch.fx.Node) and value.op == "call_function":
-        schema = getattr(value.target, "_schema", None)
+        schema = schema_of(value.target)
         if schema is None or not schema.arguments or schema.arguments[0].alias_info is None:
             return value
         if schema.arguments[0].alias_info.is_write:
@@ -484,10 +482,8 @@ def _write_code(graph: torch.fx.GraphModule) -> None:
     Dynamo will not trace a lazy graph's stand-in forward, and inlines ``cond``'s branches:
     a branch never run yet would make inductor refuse the whole step.
     """
-    from torch.fx._lazy_graph_module import _LazyGraphModule
-
     for module in graph.modules():
-        if isinstance(module, _LazyGraphModule):
+        if isinstance(module, LazyGraphModule):
             module.real_recompile()
 
 

@@ -44,10 +44,18 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch.distributions import Distribution
-from torch.distributions.transforms import Transform, _InverseTransform  # t.inv: holds t, nothing else
+from torch.distributions.transforms import Transform
 
 from pyro.poutine import Trace
 
+from pyro_tmc._torch import (
+    DYNAMO_TENSOR_MARK,
+    FakeTensorMode,
+    InverseTransform,
+    TracingContext,
+    make_fx,
+    tracing,
+)
 from pyro_tmc.compile.background_compile import BackgroundCompile
 from pyro_tmc.compile.config import CompileConfig
 from pyro_tmc.compile.flatten import Flattener, fill
@@ -88,7 +96,7 @@ def _in_plan(obj, field: str) -> bool:
     it holds. A transform's ``_inv`` is otherwise a weak reference to its inverse, or (a
     composed transform's) the inverse itself, which refers back to it.
     """
-    return field not in _NOT_PLAN or (field == "_inv" and isinstance(obj, _InverseTransform))
+    return field not in _NOT_PLAN or (field == "_inv" and isinstance(obj, InverseTransform))
 
 
 def _rebuilt(kind: type, fields: dict):
@@ -115,7 +123,7 @@ def _tensor_attributes(tensor: torch.Tensor) -> dict:
     less TorchDynamo's own marks: it tags the tensors it compiled against, which
     would change the key after the first compile.
     """
-    return {k: v for k, v in getattr(tensor, "__dict__", {}).items() if not k.startswith("_dynamo")}
+    return {k: v for k, v in getattr(tensor, "__dict__", {}).items() if not k.startswith(DYNAMO_TENSOR_MARK)}
 
 
 @dataclasses.dataclass
@@ -208,8 +216,6 @@ def trace_graph(flat: FlatDraw, detach_guide_proposals: bool) -> torch.fx.GraphM
     :raises GraphFallback: where tracing fails, or the graph holds a tensor that is
         not one of its inputs (it would be the first draw's forever).
     """
-    from torch.fx.experimental.proxy_tensor import make_fx
-
     function = _estimate_function(flat, detach_guide_proposals)
     try:
         check_no_custom_backward(function, flat.tensors)
@@ -378,7 +384,7 @@ def compile_keywords(config: CompileConfig) -> dict:
     mode = keywords.pop("mode", None)
     from_mode = {}
     if mode is not None:
-        from torch._inductor import list_mode_options  # imported only when asked: inductor is heavy
+        from pyro_tmc._torch import list_mode_options  # imported only when asked: inductor is heavy
 
         from_mode = list_mode_options(mode)
     keywords["options"] = {**inductor_settings(config), **from_mode, **(keywords.get("options") or {})}
@@ -402,7 +408,7 @@ def inductor_settings(config: Optional[CompileConfig] = None) -> dict:
 
 def _available(settings: dict) -> dict:
     """The ``settings`` that this torch's inductor has (an older one refuses an unknown key)."""
-    import torch._inductor.config as inductor_config  # imported only when asked: inductor is heavy
+    from pyro_tmc._torch import inductor_config  # imported only when asked: inductor is heavy
 
     return {key: value for key, value in settings.items() if hasattr(inductor_config, key)}
 
@@ -558,7 +564,7 @@ def compile_captured_graph(
 
 
 def _inductor_compile(graph: torch.fx.GraphModule, examples: list[torch.Tensor], settings: dict) -> Callable:
-    from torch._inductor import compile as inductor_compile  # imported only when used
+    from pyro_tmc._torch import inductor_compile  # imported only when used
 
     with _cacheable_compile():
         return inductor_compile(graph, examples, options=settings)
@@ -572,9 +578,7 @@ def _cacheable_compile() -> Iterator[None]:
     process compiled a captured step afresh, with only g++'s objects reused. Shapes are
     static: the environment holds no symbol.
     """
-    from torch._guards import TracingContext, tracing
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    from pyro_tmc._torch import ShapeEnv
 
     with tracing(TracingContext(FakeTensorMode(shape_env=ShapeEnv()))):
         yield
@@ -588,7 +592,7 @@ def compiled_keeping_validation(program: Callable, config: CompileConfig) -> Cal
     (``torch/_dynamo/eval_frame.py``) when ``torch.compile`` is first called, which
     would silently turn off the user's ``pyro.enable_validation``.
     """
-    import torch._functorch.config as functorch_config  # loaded by torch.compile anyway
+    from pyro_tmc._torch import functorch_config  # loaded by torch.compile anyway
 
     default = Distribution._validate_args
     try:

@@ -20,7 +20,7 @@ import pyro.distributions as dist
 from pyro.distributions import constraints
 from pyro.infer import SVI
 
-from pyro_tmc import IWAE_ELBO, TMC_ELBO, TMC_RWS
+from pyro_tmc import IWAE_ELBO, TMC_ELBO, TMC_RWS, _torch
 from pyro_tmc.compile.captured_step import ROLLED_FROM
 from tests.common.compile_cases import (
     assert_same_step,
@@ -894,7 +894,7 @@ def _recorded_inductor_settings(monkeypatch, compile_for_real: bool = False) -> 
         settings.append(options)
         return compile_inductor(graph, example_inputs, options=options) if compile_for_real else graph
 
-    monkeypatch.setattr(torch._inductor, "compile", recording_compile)
+    monkeypatch.setattr(_torch, "inductor_compile", recording_compile)
     return settings
 
 
@@ -958,9 +958,7 @@ def test_a_step_the_cpp_wrapper_cannot_compile_gets_inductors_defaults(monkeypat
     """Where the default C++ wrapper fails to compile, the step is compiled without it, with no warning."""
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
-    import torch._inductor
-
-    settings = []
+    settings = []  # pyro_tmc calls inductor through its seam, pyro_tmc._torch
 
     def compile_refusing_cpp_wrapper(graph, example_inputs, options=None):  # as torch._inductor.compile
         settings.append(options)
@@ -968,7 +966,7 @@ def test_a_step_the_cpp_wrapper_cannot_compile_gets_inductors_defaults(monkeypat
             raise RuntimeError("no C++ shim for this operation")
         return graph
 
-    monkeypatch.setattr(torch._inductor, "compile", compile_refusing_cpp_wrapper)
+    monkeypatch.setattr(_torch, "inductor_compile", compile_refusing_cpp_wrapper)
     loss = TMC_ELBO(num_samples=4, max_plate_nesting=1, compile="inductor")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -1077,12 +1075,10 @@ def test_a_failed_inductor_compile_replays_uncompiled(monkeypatch):
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
 
-    import torch._inductor
-
     def failing_compile(graph, example_inputs, options=None):  # as torch._inductor.compile
         raise RuntimeError("inductor refused")
 
-    monkeypatch.setattr(torch._inductor, "compile", failing_compile)
+    monkeypatch.setattr(_torch, "inductor_compile", failing_compile)
     x = torch.randn(6)
     loss = TMC_ELBO(num_samples=4, max_plate_nesting=1, compile="inductor")
     with pytest.warns(RuntimeWarning, match="inductor refused"):
