@@ -331,13 +331,14 @@ def _add_compiled_row(case: "Case", name: str, mode: str, device: str, step, fir
             return
     _sync(device)
     messages = [str(w.message) for w in caught]
-    fallbacks = [m for m in messages if "pyro_tmc could not" in m]  # the estimate program's
+    # the estimate program's, or a step that runs eagerly (pyro_tmc.compile.fallback.EAGER)
+    fallbacks = [m for m in messages if "pyro_tmc could not" in m and "runs eagerly instead" in m]
     if fallbacks:
         case.failed[name] = "fell back to eager: " + fallbacks[0][:160].replace("|", "/")
         return
-    # a captured step that replays uncompiled or runs eagerly says so ("pyro_tmc: ..."): its row
+    # a captured step that replays uncompiled or runs eagerly says so ("pyro_tmc..."): its row
     # is timed as it runs, and the note says why it is not compiled
-    case.notes += [f"{case.title}, {name}: {m[:300]}" for m in messages if m.startswith("pyro_tmc: ")]
+    case.notes += [f"{case.title}, {name}: {m[:300]}" for m in messages if m.startswith("pyro_tmc")]
     case.compile_seconds[name] = f"{time.perf_counter() - start:.1f}"
     case.steps[name] = step
 

@@ -29,10 +29,11 @@ import pickle
 import subprocess
 import sys
 import tempfile
-import warnings
 from typing import Callable, Optional
 
 import torch
+
+from pyro_tmc.compile.fallback import IN_THIS_PROCESS, UNCOMPILED, warn_fallback
 
 #: the children compiling now, with their files: ended with this process (an unfinished
 #: compile is of no use)
@@ -127,30 +128,16 @@ class BackgroundCompile:
         self._compile(pickle.loads(self._blob), inputs)
 
     def _compile_here(self, inputs, reason: str) -> None:
-        warnings.warn(
-            f"pyro_tmc: the captured step could not be compiled in the background ({reason}); "
-            "it is compiled in this process instead.",
-            RuntimeWarning,
-            stacklevel=6,
-        )
+        # the whole reason: the tail of the child's log, where its error is (600 characters at most)
+        what = "compile the captured step in the background"
+        warn_fallback(what, reason, IN_THIS_PROCESS, stacklevel=6, limit=700)
         self._compile(self.graph, inputs)
 
     def _compile(self, graph: torch.fx.GraphModule, inputs) -> None:
         try:
             self.compiled = self.compile_in_process(graph, [t.detach() for t in inputs], self.settings)
         except Exception as error:  # the uncompiled graph is always right: it goes on replaying
-            warn_replayed_uncompiled(error, stacklevel=8)
-
-
-def warn_replayed_uncompiled(error: Exception, stacklevel: int) -> None:
-    """The one warning that inductor failed on a captured step, which is replayed uncompiled."""
-    reason = " ".join(str(error).split())[:300]
-    warnings.warn(
-        f"pyro_tmc: inductor could not compile the captured step ({reason}); it is replayed "
-        "uncompiled instead (same values).",
-        RuntimeWarning,
-        stacklevel=stacklevel + 1,
-    )
+            warn_fallback("compile the captured step with inductor", error, UNCOMPILED, stacklevel=8)
 
 
 def _read_tail(path: str, size: int = 600) -> str:

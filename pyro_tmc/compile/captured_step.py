@@ -69,7 +69,6 @@ from pyro.poutine.messenger import Messenger
 
 from pyro_tmc._pyro import param_store_holding
 from pyro_tmc._torch import LazyGraphModule, make_fx, schema_of, use_lazy_graph_module
-from pyro_tmc.compile.background_compile import warn_replayed_uncompiled
 from pyro_tmc.compile.compiled import (
     MODES,
     EstimateProgram,
@@ -77,9 +76,9 @@ from pyro_tmc.compile.compiled import (
     compiled_step_graph,
     estimates_eagerly,
     uses_cuda_graphs,
-    warn_fallback,
 )
 from pyro_tmc.compile.config import CompileConfig, compile_config
+from pyro_tmc.compile.fallback import UNCOMPILED, UNROLLED, warn_fallback
 from pyro_tmc.compile.flatten import Flattener, fill
 from pyro_tmc.compile.forward_trace import (
     GradModeMarks,
@@ -469,11 +468,7 @@ def _rolled(
 
 
 def _warn_not_rolled(error: Exception) -> None:
-    warnings.warn(
-        f"pyro_tmc: could not roll the captured step ({error}); it is replayed unrolled.",
-        RuntimeWarning,
-        stacklevel=6,
-    )
+    warn_fallback("roll the captured step", error, UNROLLED, stacklevel=6)
 
 
 def _write_code(graph: torch.fx.GraphModule) -> None:
@@ -749,7 +744,7 @@ class StepProgram:
         except Exception as error:  # inductor compiles at the first replay: it may fail there
             if captured.uncompiled is None:
                 raise
-            warn_replayed_uncompiled(error, stacklevel=5)
+            warn_fallback("compile the captured step with inductor", error, UNCOMPILED, stacklevel=5)
             captured.program, captured.uncompiled = captured.uncompiled, None
             _set_rng_state(rng_state)
             loss, underflow, *grads = run()
@@ -912,4 +907,4 @@ def _set_rng_state(state: tuple) -> None:
 
 
 def _warn_fallback(reason: str) -> None:
-    warn_fallback("capture this loss's step", reason, stacklevel=5)
+    warn_fallback("capture this loss's step into a graph", reason, stacklevel=5)

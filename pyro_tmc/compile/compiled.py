@@ -58,6 +58,7 @@ from pyro_tmc._torch import (
 )
 from pyro_tmc.compile.background_compile import BackgroundCompile
 from pyro_tmc.compile.config import CompileConfig
+from pyro_tmc.compile.fallback import warn_fallback
 from pyro_tmc.compile.flatten import Flattener, fill
 from pyro_tmc.compile.forward_trace import custom_backward
 from pyro_tmc.estimate.checks import validate_samples
@@ -614,18 +615,5 @@ def compiled_keeping_validation(program: Callable, config: CompileConfig) -> Cal
     return run
 
 
-def warn_fallback(what: str, reason: str, stacklevel: int) -> None:
-    """One warning that ``what`` (e.g. "trace this model's estimate") failed and runs eagerly, and why."""
-    reason = " ".join(reason.split())
-    if len(reason) > 300:
-        reason = reason[:300] + "..."
-    warnings.warn(
-        f"pyro_tmc could not {what} into a graph; it runs eagerly instead "
-        f"(same values, no speed-up). Reason: {reason}",
-        RuntimeWarning,
-        stacklevel=stacklevel + 1,
-    )
-
-
 def _warn_fallback(reason: str) -> None:
-    warn_fallback("trace this model's estimate", reason, stacklevel=4)
+    warn_fallback("trace this model's estimate into a graph", reason, stacklevel=4)

@@ -1081,7 +1081,10 @@ def test_a_failed_inductor_compile_replays_uncompiled(monkeypatch):
     monkeypatch.setattr(_torch, "inductor_compile", failing_compile)
     x = torch.randn(6)
     loss = TMC_ELBO(num_samples=4, max_plate_nesting=1, compile="inductor")
-    with pytest.warns(RuntimeWarning, match="inductor refused"):
+    # the one fallback warning's shape (pyro_tmc.compile.fallback): what failed, what runs instead, why
+    shape = "could not compile the captured step with inductor; it is replayed uncompiled instead"
+    shape += r" \(same values\)\. Reason: inductor refused"
+    with pytest.warns(RuntimeWarning, match=shape):
         values = [loss.loss_and_grads(toy_model, toy_guide, x) for _ in range(4)]
     captured = next(iter(loss.step_program._steps.values()))
     assert isinstance(captured.program, torch.fx.GraphModule)  # uncompiled
