@@ -35,7 +35,7 @@ The contract, as Pyro's ``JitTrace_ELBO`` states its own:
   warns and captures again. Between two checks, a step runs the structure that was
   captured. ``check_every=1`` checks every step (and so captures nothing useful).
 - **A step whose value is not finite, or whose log-space products underflowed**
-  (:func:`pyro_tmc.ops.log_einsum.deferred_underflow_checks`), runs again eagerly
+  (:func:`pyro_tmc.ops.capture.deferred_underflow_checks`), runs again eagerly
   from the same random state, where the products are repaired and a bad site is
   named.
 
@@ -296,7 +296,7 @@ def capture_step(
     hook is traced again, with its backward as autograd runs it, and that graph is rolled.
 
     :param list repair_counts: how many entries each log-space matrix product of
-        an eager run of the step repaired (:func:`~pyro_tmc.ops.log_einsum.counting_repairs`):
+        an eager run of the step repaired (:func:`~pyro_tmc.ops.capture.counting_repairs`):
         the graph's repairs are sized to them.
     :param int roll_above: roll a step of more forward operations than this
         (``None``: never).
@@ -549,7 +549,7 @@ class StepProgram:
         self._seen: dict[tuple, int] = {}  # key -> steps taken
         self._refitted: set = set()  # keys captured again because their repairs were too small
         #: per key, what its eager steps repaired, merged
-        #: (:func:`~pyro_tmc.ops.log_einsum.merge_repair_counts`):
+        #: (:func:`~pyro_tmc.ops.capture.merge_repair_counts`):
         #: a capture's repairs are sized by all of them, not by its own eager run alone
         self._repairs: dict[tuple, list[RepairCount]] = {}
         self.captures = 0  # how many steps were captured (tests read it)

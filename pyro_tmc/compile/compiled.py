@@ -23,7 +23,7 @@ the eager path, with one warning per plan. A shape change is a new key, hence a
 new graph: the graph is traced again only when the plan changes, and at most
 ``max_plans`` times per loss (:class:`~pyro_tmc.compile.config.CompileConfig`). A draw in
 which a log-space product underflowed (the graph flags it:
-:func:`pyro_tmc.ops.log_einsum.deferred_underflow_checks`) is computed again eagerly, where
+:func:`pyro_tmc.ops.capture.deferred_underflow_checks`) is computed again eagerly, where
 the product is repaired.
 
 What the key must hold, because the graph bakes it in: every Python value the
@@ -211,7 +211,7 @@ def trace_graph(flat: FlatDraw, detach_guide_proposals: bool) -> torch.fx.GraphM
     The eager estimate traced into a graph of tensor operations, with fake tensors.
     The graph returns ``(estimate, underflow)``: ``underflow`` (a boolean scalar)
     is set where a log-space product lost precision
-    (:func:`pyro_tmc.ops.log_einsum.deferred_underflow_checks`), and the estimate must
+    (:func:`pyro_tmc.ops.capture.deferred_underflow_checks`), and the estimate must
     then be computed eagerly.
 
     :raises GraphFallback: where tracing fails, or the graph holds a tensor that is

@@ -11,11 +11,11 @@ them), and the posterior read-outs.
 - **Scales** (:class:`~pyro_tmc.estimate.scales.ScalePlan`): where each site's scale
   acts, on its factor or on the log of a plate's sum.
 - **Whole or sliced factors**: a memory budget (``max_factor_bytes``, resolved
-  once by :func:`~pyro_tmc.ops.memory.factor_budget`) above which a latent's
+  once by :func:`~pyro_tmc.estimate.budget.factor_budget`) above which a latent's
   ``log p`` is built slice by slice during the contraction.
 - **Stacked or per-site densities**: like sites' densities are evaluated in one
   call (:mod:`pyro_tmc.estimate.batched_densities`), and a chain's links are then taken
-  in one operation per stack (:func:`~pyro_tmc.ops.contraction.reduce_chains`).
+  in one operation per stack (:func:`~pyro_tmc.ops.chain_factors.reduce_chains`).
   A stack holds whole factors, so a budget turns stacking off.
 - **Eager or a cached program** is the draw's to choose, not the plan's: ``compile=``
   traces the eager code into a graph per plan

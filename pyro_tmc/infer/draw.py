@@ -76,7 +76,7 @@ class DrawSettings:
     :param proposal: the proposal strategy (name or :class:`~pyro_tmc.poutine.proposals.ProposalStrategy`).
     :param int max_plate_nesting: plate dims right of the particle dims.
     :param max_factor_bytes: a memory budget per log factor in bytes, ``"auto"`` (a share
-        of the memory available: :func:`pyro_tmc.ops.memory.factor_budget`), or ``None``.
+        of the memory available: :func:`pyro_tmc.estimate.budget.factor_budget`), or ``None``.
     :param bool joint: every sampled latent shares one particle dim: K joint
         samples of the guide, as IWAE draws them, instead of K per site.
     :param EstimateProgram program: where the estimate is computed by a cached

@@ -21,9 +21,6 @@ import torch
 
 from pyro.ops.einsum.util import Tensordot
 
-# imported from here by tests/compile/test_captured_step.py before issue 43 split this module: it
-# lives in pyro_tmc.ops.capture now. To be dropped once that test imports it from there.
-from pyro_tmc.ops.capture import RepairCount  # noqa: F401
 from pyro_tmc.ops.underflow import exact_logsumexp, log_plus_shifts, plus_shifts, safe_log
 
 

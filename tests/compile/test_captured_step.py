@@ -527,7 +527,7 @@ def test_slower_replay_gives_way_to_the_eager_step(monkeypatch):
     program._steps[next(iter(program._steps))].eager_seconds = [0.5]  # every replay "takes" 1 s
     for _ in range(8):  # replays alternate with timed eager steps
         loss.loss_and_grads(toy_model, toy_guide, x)
-    assert program.replays == 3  # TIMED_REPLAYS, then eager
+    assert program.replays == 3  # CompileConfig.timed_replays, then eager
 
 
 def test_large_step_is_not_compiled_by_inductor():
@@ -700,7 +700,7 @@ def test_a_capture_is_sized_by_every_eager_step_of_its_key(monkeypatch):
     found none clean; the capture's own eager run repairs fewer.
     """
     from pyro_tmc import captured_step
-    from pyro_tmc.ops.log_einsum import RepairCount
+    from pyro_tmc.ops.capture import RepairCount
 
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
