@@ -19,6 +19,17 @@ def fresh_pyro():
 
 
 @pytest.fixture
+def float64():
+    """float64 as torch's default dtype and an empty param store, both put back afterwards."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    pyro.clear_param_store()
+    yield
+    torch.set_default_dtype(previous)
+    pyro.clear_param_store()
+
+
+@pytest.fixture
 def empty_guide():
     """A guide with no sites: every latent of the model is drawn from its prior (or enumerated)."""
     return models.empty_guide

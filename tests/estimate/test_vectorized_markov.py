@@ -33,16 +33,6 @@ GUIDE_SCALE = torch.tensor([0.8, 0.9, 1.0, 0.7], dtype=torch.float64)
 CURRENT = f"z_{slice(1, T)}"
 
 
-@pytest.fixture
-def float64():
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    pyro.clear_param_store()
-    yield
-    torch.set_default_dtype(previous)
-    pyro.clear_param_store()
-
-
 def model(x):
     """z_0 ~ N(0, s), z_t ~ N(z_{t-1}, s), x_t ~ N(z_t, 1): one statement for all t >= 1."""
     z_prev = 0.0

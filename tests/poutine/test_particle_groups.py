@@ -24,16 +24,6 @@ from tests.common import REPO_ROOT
 X = torch.tensor([0.9, -0.4, 1.7], dtype=torch.float64)
 
 
-@pytest.fixture
-def float64():
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    pyro.clear_param_store()
-    yield
-    torch.set_default_dtype(previous)
-    pyro.clear_param_store()
-
-
 # -- a global c, and a group {a, b} inside a plate -----------------------------------
 
 
