@@ -36,8 +36,9 @@ onto weighted draws); Aitchison (2019) "Tensor Monte Carlo", appendix on non-fac
 
 import functools
 import math
+from collections import Counter
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 from torch.distributions import biject_to
@@ -137,6 +138,21 @@ class LocalProposal:
     scale: torch.Tensor
 
 
+class LocalDraws(NamedTuple):
+    """
+    Weighted draws of one local site with its regressors, what its fit reads.
+
+    :ivar torch.Tensor values: unconstrained values, ``(N,) + S + (D,)``.
+    :ivar torch.Tensor regressors: ``(N,) + S + (R,)`` (the globals' coordinates, then each
+        parent's), or ``None``.
+    :ivar torch.Tensor weights: normalised over the N draws, ``(N,)`` or ``(N,) + S`` (per element).
+    """
+
+    values: torch.Tensor
+    regressors: Optional[torch.Tensor]
+    weights: torch.Tensor
+
+
 class AdaptiveProposal:
     """
     A guide for any Pyro model (see the module docstring): the globals one Student-t (or Normal),
@@ -215,8 +231,13 @@ class AdaptiveProposal:
         """G: the globals' unconstrained coordinates."""
         return sum(layout.size for layout in self.globals)
 
+    @property
+    def layouts(self) -> dict[str, SiteLayout]:
+        """Covered site -> where its unconstrained values sit."""
+        return {layout.name: layout for layout in self.globals + self.locals}
+
     def _layout_of(self, name: str) -> SiteLayout:
-        return next(layout for layout in self.globals + self.locals if layout.name == name)
+        return self.layouts[name]
 
     def _broadcasts(self, parent: str, layout: SiteLayout) -> bool:
         try:
@@ -299,18 +320,56 @@ class AdaptiveProposal:
         """
         weights = torch.softmax(log_weights.double(), 0)
         columns = {name: self._unconstrained_samples(name, samples[name]) for name in self.covered}
+        if global_samples is None:
+            global_flat, global_weights = self._global_columns(columns), weights
+        else:
+            global_weights = torch.softmax(global_log_weights.double(), 0)
+            global_flat = self._global_columns(
+                {g.name: self._unconstrained_samples(g.name, global_samples[g.name]) for g in self.globals}
+            )
+        local_draws = {
+            layout.name: LocalDraws(
+                columns[layout.name], self._regressors(layout, columns) if regress else None, weights
+            )
+            for layout in self.locals
+        }
+        return self.fitted_to_weighted(global_flat, global_weights, local_draws, widen_globals, widen_locals)
+
+    def fitted_to_weighted(
+        self,
+        global_values: Optional[torch.Tensor],
+        global_weights: Optional[torch.Tensor],
+        local_draws: dict[str, LocalDraws],
+        widen_globals: float = 1.0,
+        widen_locals: float = 1.0,
+    ) -> "AdaptiveProposal":
+        """
+        :meth:`fitted`, from weighted draws already in the proposal's coordinates, each site with
+        draws of its own: e.g. every particle combination of a TMC draw's factor over a local site,
+        its parents and the globals, with its joint posterior weight
+        (:func:`pyro_tmc.infer.adaptation.adapt`'s ``"factors"`` read-out).
+
+        :param torch.Tensor global_values: the globals' unconstrained coordinates, ``(M, G)``.
+        :param torch.Tensor global_weights: their weights, ``(M,)``, summing to 1.
+        :param dict local_draws: local site -> its :class:`LocalDraws`.
+        :rtype: AdaptiveProposal
+        """
         global_proposal = self.global_proposal
         if self.globals:
-            if global_samples is None:
-                global_samples, global_log_weights = samples, log_weights
-            global_proposal = self._fitted_globals(global_samples, global_log_weights, widen_globals)
-        local_proposals = {}
-        for layout in self.locals:
-            regressors = self._regressors(layout, columns) if regress else None
-            local_proposals[layout.name] = _fitted_local(
-                columns[layout.name], regressors, weights, widen_locals
+            global_proposal = _fitted_globals(
+                global_values, global_weights, widen_globals, global_proposal.df
             )
+        local_proposals = {
+            name: _fitted_local(draws.values, draws.regressors, draws.weights, widen_locals)
+            for name, draws in local_draws.items()
+        }
         return self._copy(global_proposal, local_proposals)
+
+    def _global_columns(self, columns: dict[str, torch.Tensor]) -> Optional[torch.Tensor]:
+        """The globals' unconstrained draws concatenated: ``(N, G)``."""
+        if not self.globals:
+            return None
+        return torch.cat([columns[g.name].reshape(columns[g.name].shape[0], -1) for g in self.globals], -1)
 
     def fitted_to_moments(
         self,
@@ -333,20 +392,16 @@ class AdaptiveProposal:
         """
         global_proposal = self.global_proposal
         if self.globals:
-            global_proposal = self._fitted_globals(global_samples, global_log_weights, widen_globals)
+            flat = self._global_columns(
+                {g.name: self._unconstrained_samples(g.name, global_samples[g.name]) for g in self.globals}
+            )
+            weights = torch.softmax(global_log_weights.double(), 0)
+            global_proposal = _fitted_globals(flat, weights, widen_globals, global_proposal.df)
         local_proposals = {
             name: LocalProposal(mean.to(_dtype()), None, widen_locals * sd.to(_dtype()).clamp(min=1e-6))
             for name, (mean, sd) in local_moments.items()
         }
         return self._copy(global_proposal, local_proposals)
-
-    def _fitted_globals(self, samples: dict, log_weights: torch.Tensor, widen: float) -> GlobalProposal:
-        weights = torch.softmax(log_weights.double(), 0)
-        flat = [
-            self._unconstrained_samples(g.name, samples[g.name]).reshape(len(weights), -1)
-            for g in self.globals
-        ]
-        return _fitted_globals(torch.cat(flat, -1), weights, widen, self.global_proposal.df)
 
     def _unconstrained_samples(self, name: str, values: torch.Tensor) -> torch.Tensor:
         """Constrained draws ``(N,) + shape`` -> unconstrained ``(N,) + S + (D,)`` in float64."""
@@ -428,6 +483,12 @@ class ProposalMessenger(Messenger):
         layout = self.layouts.get(msg["name"])
         if layout is None:
             return
+        scope = msg["infer"].get("_markov_scope")
+        if scope is not None:
+            # the model's markov contexts saw the sites this guide hides (observations): TMC never
+            # does, and must find in a site's scope only the sites it has seen
+            msg["infer"] = dict(msg["infer"])
+            msg["infer"]["_markov_scope"] = Counter({n: c for n, c in scope.items() if n in self.layouts})
         if layout.name in self.is_global:
             msg["fn"] = self.proposal.global_value(layout, self.globals_flat)
             return
@@ -468,19 +529,19 @@ def _fitted_local(
     """
     Weighted least squares of ``values`` (``(N,) + S + (D,)``) on ``[1, regressors]``
     (``(N,) + S + (R,)``), per element, or the weighted moments where there are too few draws.
+    ``weights``: ``(N,)`` or ``(N,) + S``, summing to 1 over N.
     """
-    w = weights.reshape((-1,) + (1,) * (values.dim() - 1))
+    w = weights.to(values.dtype)
+    w = w.reshape(w.shape + (1,) * (values.dim() - w.dim()))  # (N,) + S-or-ones + (1,)
     mean = (w * values).sum(0)
     centred = values - mean
-    effective = float(1 / weights.square().sum())
+    effective = float((1 / w.square().sum(0)).min())  # the fewest of any element
     num_coefficients = 1 + (0 if regressors is None else regressors.shape[-1])
-    if (
-        regressors is None
-        or regressors.shape[-1] == 0
-        or effective < MIN_ESS_PER_COEFFICIENT * num_coefficients
-    ):
+    too_few = effective < MIN_ESS_PER_COEFFICIENT * num_coefficients
+    if regressors is None or regressors.shape[-1] == 0 or too_few:
         variance = (w * centred.square()).sum(0) / max(1 - 1 / effective, 1e-3)
         return LocalProposal(mean.to(_dtype()), None, (widen * variance.sqrt()).clamp(min=1e-6).to(_dtype()))
+    regressors = regressors.to(values.dtype)
     x_mean = (w * regressors).sum(0)
     x = regressors - x_mean
     gram = torch.einsum("n...r,n...q->...rq", w * x, x)
@@ -492,11 +553,8 @@ def _fitted_local(
     correction = max(1 - num_coefficients / effective, 1e-3)  # residual variance's degrees of freedom
     variance = (w * residuals.square()).sum(0) / correction
     intercept = mean - (coefficients @ x_mean.unsqueeze(-1)).squeeze(-1)
-    return LocalProposal(
-        intercept.to(_dtype()),
-        coefficients.to(_dtype()),
-        (widen * variance.sqrt()).clamp(min=1e-6).to(_dtype()),
-    )
+    scale = (widen * variance.sqrt()).clamp(min=1e-6)
+    return LocalProposal(intercept.to(_dtype()), coefficients.to(_dtype()), scale.to(_dtype()))
 
 
 # -- reading the model ---------------------------------------------------------------------------
@@ -627,4 +685,4 @@ def _deep_getattr(module, name: str):
     return functools.reduce(getattr, name.split("."), module)
 
 
-__all__ = ["AdaptiveProposal", "GlobalProposal", "LocalProposal", "SiteLayout"]
+__all__ = ["AdaptiveProposal", "GlobalProposal", "LocalDraws", "LocalProposal", "SiteLayout"]
