@@ -201,6 +201,7 @@ class AdaptiveProposal:
         self.locals: list[SiteLayout] = []
         for site in trace.nodes.values():
             if _is_covered(site):
+                _check_not_subsampled(site)
                 layout = _layout(site)
                 (self.locals if _is_local(site) else self.globals).append(layout)
         local_names = {layout.name for layout in self.locals}
@@ -580,6 +581,17 @@ def _is_local(site) -> bool:
     """In a plate, or a step of a ``pyro.markov`` chain."""
     in_plate = any(frame.vectorized for frame in site["cond_indep_stack"])
     return in_plate or site["infer"].get("_markov_scope") is not None
+
+
+def _check_not_subsampled(site) -> None:
+    """The proposal's parameters are per element of the plates as the prior trace has them: whole plates."""
+    for frame in site["cond_indep_stack"]:
+        if frame.vectorized and frame.size is not None and frame.full_size not in (None, frame.size):
+            raise NotImplementedError(
+                f"AdaptiveProposal: site '{site['name']}' is in plate '{frame.name}', subsampled "
+                f"({frame.size} of {frame.full_size}); its proposal holds parameters per plate element, "
+                "so the plate must be whole. Build the proposal and read the posterior without subsampling."
+            )
 
 
 def _layout(site) -> SiteLayout:

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import pyro
+import pyro.distributions as dist
 from pyro.infer.autoguide import AutoNormal
 
 from pyro_tmc import TMC_ELBO
@@ -66,6 +67,15 @@ def test_discrete_sites_are_left_to_tmc(float64):
     # measured: sd 0.03 over draws at K = 256; the mean within 4 sd / sqrt(20) of log p(x), less its
     # Jensen gap (-var / 2)
     assert abs(float(log_estimates.mean()) - discrete_log_px(1.5, with_z=True)) < 0.05
+
+
+def test_subsampled_plates_are_refused(float64):
+    def model(x):
+        with pyro.plate("data", 10, subsample_size=4):
+            pyro.sample("z", dist.Normal(0.0, 1.0))
+
+    with pytest.raises(NotImplementedError, match="plate 'data', subsampled"):
+        AdaptiveProposal(model, torch.zeros(10))
 
 
 def test_auto_normal_is_a_starting_point(float64):
