@@ -204,6 +204,8 @@ class AdaptiveProposal:
                 _check_not_subsampled(site)
                 layout = _layout(site)
                 (self.locals if _is_local(site) else self.globals).append(layout)
+        #: covered site -> where its unconstrained values sit
+        self.layouts: dict[str, SiteLayout] = {layout.name: layout for layout in self.globals + self.locals}
         local_names = {layout.name for layout in self.locals}
         #: local site -> the local latents among its prior parents whose batch shapes broadcast to its own
         self.parents: dict[str, tuple[str, ...]] = {
@@ -217,7 +219,7 @@ class AdaptiveProposal:
         if init is not None:
             self._start_from_auto_normal(init, df)
         else:
-            start = self.fitted_to_prior(model, args, kwargs, num_prior_draws, df)
+            start = self._fitted_to_prior(model, args, kwargs, num_prior_draws, df)
             self.global_proposal, self.local_proposals = start.global_proposal, start.local_proposals
 
     # -- structure ---------------------------------------------------------------------------
@@ -231,11 +233,6 @@ class AdaptiveProposal:
     def num_globals(self) -> int:
         """G: the globals' unconstrained coordinates."""
         return sum(layout.size for layout in self.globals)
-
-    @property
-    def layouts(self) -> dict[str, SiteLayout]:
-        """Covered site -> where its unconstrained values sit."""
-        return {layout.name: layout for layout in self.globals + self.locals}
 
     def _layout_of(self, name: str) -> SiteLayout:
         return self.layouts[name]
@@ -276,11 +273,15 @@ class AdaptiveProposal:
                 loc.reshape(shape), None, scale.expand(loc.shape).reshape(shape)
             )
 
-    def fitted_to_prior(self, model, args, kwargs, num_draws: int, df: Optional[float]) -> "AdaptiveProposal":
+    def _fitted_to_prior(
+        self, model, args, kwargs, num_draws: int, df: Optional[float]
+    ) -> "AdaptiveProposal":
         """The proposal fitted to ``num_draws`` prior draws of the model (equal weights, not widened)."""
-        samples = _prior_samples(model, args, kwargs, num_draws, self.max_plate_nesting, self.covered)
-        log_weights = torch.zeros(num_draws, dtype=samples[self.covered[0]].dtype) if samples else None
         self.global_proposal = GlobalProposal(torch.zeros(self.num_globals), torch.eye(self.num_globals), df)
+        if not self.covered:
+            return self
+        samples = _prior_samples(model, args, kwargs, num_draws, self.max_plate_nesting, self.covered)
+        log_weights = torch.zeros(num_draws, dtype=torch.float64)
         return self.fitted(samples, log_weights, widen_globals=1.0, widen_locals=1.0)
 
     # -- moving it -----------------------------------------------------------------------------
@@ -476,7 +477,7 @@ class ProposalMessenger(Messenger):
         super().__init__()
         self.proposal = proposal
         self.globals_flat = globals_flat
-        self.layouts = {layout.name: layout for layout in proposal.globals + proposal.locals}
+        self.layouts = proposal.layouts
         self.is_global = {layout.name for layout in proposal.globals}
         self.values: dict[str, torch.Tensor] = {}
 
