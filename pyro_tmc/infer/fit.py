@@ -1,0 +1,173 @@
+"""One call from a Pyro model to a posterior: train a proposal, adapt it, read it out.
+
+:func:`fit_posterior` runs the three stages that a posterior as good as a long NUTS run needs, with
+no model-specific code:
+
+1. **Train** a guide with :class:`~pyro_tmc.TMC_ELBO` (Pyro's ``AutoNormal`` when none is given).
+   The trained guide sits at the bound's optimum, which is close to the posterior but not on it
+   (and a mean-field guide cannot hold its correlations), so it is only the start.
+2. **Adapt** (:func:`~pyro_tmc.infer.adaptation.adapt`): rounds of population Monte Carlo with TMC
+   draws as the samples move an :class:`~pyro_tmc.infer.adaptive_proposal.AdaptiveProposal` onto the
+   TMC-weighted posterior: the globals one heavy-tailed joint proposal (one particle group), every
+   other site a Normal that follows its parents (a chain's previous step, the globals).
+3. **Read out** R independent TMC draws under the adapted proposal at a larger K, pooled by their
+   ``P_TMC`` into a :class:`~pyro_tmc.infer.tmc_posterior.TMCPosterior`, with diagnostics.
+
+References: Aitchison (2019) "Tensor Monte Carlo: particle methods for the GPU era" (the estimator
+and its posterior); Cappe, Guillin, Marin and Robert (2004) "Population Monte Carlo" (the rounds);
+Vehtari, Simpson, Gelman, Yao and Gabry (2024) "Pareto smoothed importance sampling" (k-hat).
+"""
+
+from collections.abc import Iterable
+from typing import Callable, Optional
+
+import torch
+
+import pyro
+from pyro.infer import SVI
+from pyro.infer.autoguide import AutoNormal
+
+from pyro_tmc.infer.adaptation import WIDEN_GLOBALS, WIDEN_LOCALS, adapt
+from pyro_tmc.infer.adaptive_proposal import AdaptiveProposal
+from pyro_tmc.infer.tmc_elbo import TMC_ELBO
+from pyro_tmc.infer.tmc_posterior import TMCPosterior, read_draw
+
+
+def fit_posterior(
+    model: Callable,
+    *args,
+    guide: Optional[Callable] = None,
+    num_steps: int = 1000,
+    num_samples: int = 16,
+    learning_rate: float = 0.01,
+    adapt_rounds: int = 4,
+    adapt_draws: int = 10,
+    adapt_samples: int = 64,
+    readout_samples: int = 64,
+    num_draws: int = 40,
+    samples_per_draw: int = 100,
+    max_plate_nesting: Optional[int] = None,
+    progress: bool = True,
+    model_kwargs: Optional[dict] = None,
+) -> TMCPosterior:
+    """
+    Fit the posterior of ``model`` given its data ``*args``: train a proposal with TMC, adapt it
+    onto the TMC-weighted posterior, and read out pooled TMC draws.
+
+    Example::
+
+        posterior = pyro_tmc.infer.fit_posterior(model, data)
+        posterior.moments["theta"].mean, posterior.moments["theta"].mean_error
+        posterior.diagnostics().untrusted     # sites whose weights' k-hat is above 0.7
+        samples = posterior.sample(1000)      # for pyro.infer.Predictive
+        az.summary(posterior.to_arviz())
+
+    Discrete sites marked ``infer={"enumerate": "parallel"}`` are summed exactly, as in
+    :class:`~pyro_tmc.TMC_ELBO`; other discrete sites are drawn from the model's conditional.
+    The guide's parameters live in Pyro's param store, as in any SVI run: a second call with the
+    same model starts from the first call's guide.
+
+    :param callable model: a Pyro model; its observed sites hold the data.
+    :param args: the model's arguments.
+    :param callable guide: a guide to train and start from; ``None``: ``AutoNormal(model)``.
+    :param int num_steps: SVI steps of training (0: use ``guide`` as it is).
+    :param int num_samples: K in training.
+    :param float learning_rate: Adam's step size in training (decayed 10x over the run).
+    :param int adapt_rounds: rounds of adaptation (0: read out under the trained guide).
+    :param int adapt_draws: TMC draws per adaptation round.
+    :param int adapt_samples: K in adaptation.
+    :param int readout_samples: K in the read-out.
+    :param int num_draws: TMC draws read out and pooled (at least 2; more than 20 for the draws' own k-hat).
+    :param int samples_per_draw: exact joint draws kept from each read-out draw (for
+        :meth:`~TMCPosterior.sample`, :meth:`~TMCPosterior.to_arviz` and the predictive).
+    :param int max_plate_nesting: as in every Pyro ELBO (``None``: guessed from a first run).
+    :param bool progress: show progress bars (tqdm, when installed).
+    :param dict model_kwargs: the model's keyword arguments.
+    :rtype: ~pyro_tmc.infer.tmc_posterior.TMCPosterior
+    """
+    kwargs = dict(model_kwargs or {})
+    nesting = _nesting(max_plate_nesting)
+    history: dict = {}
+    if guide is None:
+        guide = AutoNormal(model)
+    if num_steps:
+        history["losses"] = train(
+            model, guide, args, kwargs, num_steps, num_samples, learning_rate, nesting, progress
+        )
+    proposal = guide
+    if adapt_rounds:
+        proposal = adapted_proposal(
+            model, guide, args, kwargs, adapt_rounds, adapt_draws, adapt_samples, max_plate_nesting, progress
+        )
+        history["adaptation"] = proposal.history
+    readout = TMC_ELBO(num_samples=readout_samples, max_plate_nesting=nesting)
+    draws = []
+    for _ in _bar(range(num_draws), "read-out", progress):
+        with torch.no_grad():
+            draw = readout.draw(model, proposal, *args, **kwargs)
+        draws.append(read_draw(draw, samples_per_draw))
+    return TMCPosterior(model, draws, args, kwargs, guide=proposal, history=history)
+
+
+def train(
+    model, guide, args, kwargs, num_steps, num_samples, learning_rate, nesting, progress
+) -> list[float]:
+    """SVI with :class:`~pyro_tmc.TMC_ELBO` and Adam, its step decayed 10x over the run; the losses."""
+    optim = pyro.optim.ClippedAdam({"lr": learning_rate, "lrd": 0.1 ** (1 / max(num_steps, 1))})
+    svi = SVI(model, guide, optim, TMC_ELBO(num_samples=num_samples, max_plate_nesting=nesting))
+    losses = []
+    for _ in _bar(range(num_steps), "training", progress):
+        losses.append(svi.step(*args, **kwargs))
+    return losses
+
+
+def adapted_proposal(model, guide, args, kwargs, rounds, draws, num_samples, max_plate_nesting, progress):
+    """
+    An :class:`AdaptiveProposal` moved onto the posterior, starting from the trained ``guide``: from
+    its locations and scales when it is an ``AutoNormal``, else from the TMC-weighted joint draws of
+    ``draws`` TMC draws under it (any guide can start the rounds).
+    """
+    start = guide if isinstance(guide, AutoNormal) else None
+    proposal = AdaptiveProposal(model, *args, init=start, max_plate_nesting=max_plate_nesting, **kwargs)
+    if start is None:
+        proposal = fitted_to_guide(
+            model, guide, proposal, args, kwargs, draws, num_samples, max_plate_nesting
+        )
+    return adapt(
+        model,
+        proposal,
+        *args,
+        num_samples=num_samples,
+        rounds=rounds,
+        draws=draws,
+        progress=progress,
+        **kwargs,
+    )
+
+
+def fitted_to_guide(model, guide, proposal, args, kwargs, draws, num_samples, max_plate_nesting):
+    """``proposal`` fitted to the pooled joint draws of ``draws`` TMC draws under ``guide``."""
+    elbo = TMC_ELBO(num_samples=num_samples, max_plate_nesting=_nesting(max_plate_nesting))
+    pools = []
+    for _ in range(draws):
+        with torch.no_grad():
+            draw = elbo.draw(model, guide, *args, **kwargs)
+            pools.append(read_draw(draw, samples_per_draw=num_samples))
+    posterior = TMCPosterior(model, pools, args, kwargs)
+    samples, log_weights = posterior.pooled_samples()
+    covered = {name: samples[name] for name in proposal.covered if name in samples}
+    return proposal.fitted(covered, log_weights, widen_globals=WIDEN_GLOBALS, widen_locals=WIDEN_LOCALS)
+
+
+def _nesting(max_plate_nesting: Optional[int]) -> float:
+    return float("inf") if max_plate_nesting is None else max_plate_nesting
+
+
+def _bar(iterable: Iterable, description: str, progress: bool) -> Iterable:
+    if not progress:
+        return iterable
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # tqdm is an optional extra: run silently without it
+        return iterable
+    return tqdm(iterable, desc=f"fit_posterior: {description}", leave=False)

@@ -1,0 +1,370 @@
+"""The posterior that :func:`~pyro_tmc.infer.fit_posterior` returns: pooled TMC draws, read every way.
+
+Each of R independent TMC draws is a self-normalised importance sampler over all its particle
+combinations; weighting draw r by its own ``P_r`` pools them into one sampler that is consistent as
+R grows, for any K (:mod:`pyro_tmc.infer.moments`). :class:`TMCPosterior` holds, for every draw, what
+its one contraction gives (``log P_r``, each site's marginal moments and particle weights) and a set
+of exact joint draws of particle combinations, and reads from them:
+
+- moments with standard errors (:attr:`TMCPosterior.moments`);
+- equal-weight draws for :class:`pyro.infer.Predictive` (:meth:`TMCPosterior.sample`);
+- the held-out predictive log-likelihood (:meth:`TMCPosterior.log_predictive`);
+- diagnostics (:meth:`TMCPosterior.diagnostics`): how many draws carry each site, and the Pareto
+  k-hat of the pooled weights (Vehtari et al. 2024), with a warning naming the sites that fail;
+- an ArviZ ``InferenceData`` (:meth:`TMCPosterior.to_arviz`).
+
+The pooled weight of particle k of a site in draw r is ``P_r m_rk`` (``m_rk`` its marginal weight
+within the draw), exactly the weight with which the pooled moments use it. Two tails decide whether
+to trust it, each with its Pareto k-hat: the ``m_rk`` of a site's particles, over all draws (a few
+particles carrying their draws: the site's proposal misses its posterior), and the draws' ``P_r`` (a
+few draws carrying the pool: the proposal misses the joint posterior, or K is too small). Above
+the threshold, a few weights carry the estimate and its standard errors cannot be trusted either.
+"""
+
+import math
+import warnings
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Callable, NamedTuple, Optional
+
+import torch
+
+import pyro
+
+from pyro_tmc.infer.diagnostics import effective_sample_size, khat_threshold, pareto_khat
+from pyro_tmc.infer.moments import PosteriorMoments, _pooled
+from pyro_tmc.infer.posterior import marginals_and_log_estimate
+from pyro_tmc.infer.predictive import (
+    DRAWS_PLATE,
+    FixedSites,
+    PosteriorDraws,
+    PredictiveLogLikelihood,
+    _batched_over_draws,
+    _plate_nesting,
+    predictive_log_likelihood,
+)
+from pyro_tmc.ops.resampling import systematic_resample
+from pyro_tmc.poutine.sites import is_summed_exactly
+
+#: k-hat above this says "do not trust" (the PSIS paper's bound for any sample size: beyond it the
+#: importance ratios' variance is infinite in all but name, and more draws barely help)
+KHAT_LIMIT = 0.7
+#: the draws' own k-hat needs more than this many draws (below it the tail holds 4 or fewer: no fit)
+MIN_DRAWS_FOR_KHAT = 20
+
+
+class ReadoutDraw(NamedTuple):
+    """
+    What one TMC draw contributes to a :class:`TMCPosterior`.
+
+    :ivar torch.Tensor log_evidence: the draw's ``log P_TMC`` (a scalar).
+    :ivar dict firsts: site -> its marginal mean (plate + event shape).
+    :ivar dict seconds: site -> its marginal second moment.
+    :ivar dict log_weights: particle site -> its particles' marginal log weights, normalised within
+        the draw, particles last: ``plate shape + (K,)``. Sites summed exactly are left out.
+    :ivar dict samples: model site -> exact joint draws of particle combinations, ``(S,) + shape``.
+    """
+
+    log_evidence: torch.Tensor
+    firsts: "OrderedDict[str, torch.Tensor]"
+    seconds: "OrderedDict[str, torch.Tensor]"
+    log_weights: "OrderedDict[str, torch.Tensor]"
+    samples: dict[str, torch.Tensor]
+
+
+def read_draw(draw, samples_per_draw: int) -> ReadoutDraw:
+    """
+    A :class:`ReadoutDraw` of one :class:`~pyro_tmc.infer.draw.TMCDraw`: one contraction for its
+    marginals and ``log P_TMC``, and (if ``samples_per_draw``) one per latent site for its joint draws.
+    """
+    marginals, log_estimate = marginals_and_log_estimate(draw)
+    firsts, seconds, log_weights = OrderedDict(), OrderedDict(), OrderedDict()
+    model_nodes = draw.model_trace.nodes
+    for name, marginal in marginals.items():
+        if name in model_nodes:
+            firsts[name] = marginal.mean.double()
+            seconds[name] = marginal.expectation(torch.square).double()
+        site = model_nodes.get(name) or draw.guide_trace.nodes[name]
+        if not is_summed_exactly(site):
+            weights = marginal.log_weights.double()
+            log_weights[name] = weights - torch.logsumexp(weights, -1, keepdim=True)
+    samples = draw.sample(samples_per_draw) if samples_per_draw else {}
+    return ReadoutDraw(log_estimate.detach().double().reshape(()), firsts, seconds, log_weights, samples)
+
+
+class Diagnostics(NamedTuple):
+    """
+    How far a :class:`TMCPosterior` can be trusted (:meth:`TMCPosterior.diagnostics`).
+
+    :ivar dict site_khat: particle site -> the Pareto k-hat of its particles' marginal weights within
+        their draws, over all draws (the worst plate element's).
+    :ivar dict effective_samples: particle site -> the effective number of its pooled particles
+        ``(sum w)^2 / sum w^2`` (the worst plate element's).
+    :ivar float khat_draws: the k-hat of the R draws' ``P_TMC`` (NaN for 20 draws or fewer: too few for a
+        tail fit).
+    :ivar float effective_draws: ``(sum P)^2 / sum P^2`` over the draws: how many carry the result.
+    :ivar float khat: the overall k-hat, the largest of the above.
+    :ivar float threshold: the k-hat above which a site is not trusted.
+    :ivar list untrusted: the sites whose k-hat exceeds ``threshold`` (``"<draws>"`` for the draws').
+    """
+
+    site_khat: dict[str, float]
+    effective_samples: dict[str, float]
+    khat_draws: float
+    effective_draws: float
+    khat: float
+    threshold: float
+    untrusted: list[str]
+
+
+class TMCPosterior:
+    """
+    A posterior read from R independent TMC draws, pooled by their ``P_TMC``
+    (:func:`~pyro_tmc.infer.fit_posterior` builds it).
+
+    Example::
+
+        posterior = fit_posterior(model, data)
+        posterior.moments["theta"].mean, posterior.moments["theta"].mean_error
+        Predictive(model, posterior_samples=posterior.sample(1000))(data)
+        posterior.diagnostics().untrusted          # [] when every k-hat is below 0.7
+        az.summary(posterior.to_arviz())
+
+    :param callable model: the Pyro model.
+    :param draws: one :class:`ReadoutDraw` per TMC draw.
+    :param tuple args: the model's arguments (the data it was fitted to).
+    :param dict kwargs: its keyword arguments.
+    :param guide: the proposal the draws were made with (kept for further draws).
+    :param dict history: what fitting recorded (losses, each adaptation round's effective draws).
+    """
+
+    def __init__(
+        self,
+        model: Callable,
+        draws: Sequence[ReadoutDraw],
+        args: tuple = (),
+        kwargs: Optional[dict] = None,
+        guide: Optional[Callable] = None,
+        history: Optional[dict] = None,
+    ) -> None:
+        if len(draws) < 2:
+            raise ValueError(
+                f"TMCPosterior needs at least 2 TMC draws for standard errors; got {len(draws)}."
+            )
+        self.model, self.guide = model, guide
+        self.draws = list(draws)
+        self.args, self.kwargs = tuple(args), dict(kwargs or {})
+        self.history = dict(history or {})
+        self.log_evidences = torch.stack([draw.log_evidence for draw in self.draws])
+        self._moments: Optional[OrderedDict] = None
+
+    # -- moments ------------------------------------------------------------------------------
+
+    @property
+    def draw_weights(self) -> torch.Tensor:
+        """Each TMC draw's weight in the pool, ``P_r / sum P``, shape ``(R,)``."""
+        return torch.softmax(self.log_evidences, 0)
+
+    @property
+    def log_evidence(self) -> torch.Tensor:
+        """``log mean_r P_r``: the pooled estimate of ``log p(x)`` (unbiased in ``p(x)``)."""
+        return torch.logsumexp(self.log_evidences, 0) - math.log(len(self.draws))
+
+    @property
+    def moments(self) -> "OrderedDict[str, PosteriorMoments]":
+        """Model site -> its pooled :class:`~pyro_tmc.infer.PosteriorMoments` (means, sds, their errors)."""
+        if self._moments is None:
+            weights = self.draw_weights
+            self._moments = OrderedDict(
+                (name, _pooled(self._stacked("firsts", name), self._stacked("seconds", name), weights))
+                for name in self.draws[0].firsts
+            )
+        return self._moments
+
+    def mean(self, name: str) -> torch.Tensor:
+        """The posterior mean of site ``name``."""
+        return self.moments[name].mean
+
+    def stddev(self, name: str) -> torch.Tensor:
+        """The posterior standard deviation of site ``name``."""
+        return self.moments[name].stddev
+
+    def _stacked(self, field: str, name: str) -> torch.Tensor:
+        return torch.stack([getattr(draw, field)[name] for draw in self.draws])
+
+    # -- draws --------------------------------------------------------------------------------
+
+    def sample(
+        self, num_samples: int, generator: Optional[torch.Generator] = None
+    ) -> dict[str, torch.Tensor]:
+        """
+        ``num_samples`` equal-weight posterior draws: the draws' joint particle combinations,
+        resampled (systematically) with their draw's pooled weight.
+
+        :param int num_samples: how many draws.
+        :param torch.Generator generator: the random numbers' source (default: torch's global one).
+        :returns: model site -> values, leading dim ``num_samples``: ready for
+            ``pyro.infer.Predictive(model, posterior_samples=...)``.
+        """
+        pooled, log_weights = self.pooled_samples()
+        indices = systematic_resample(log_weights, num_samples, generator=generator)
+        return {name: values[indices] for name, values in pooled.items()}
+
+    def pooled_samples(self) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """Every draw's joint samples, concatenated, and their log weights ``log P_r / (S_r sum P)``."""
+        counts = [self._count(draw) for draw in self.draws]
+        if not all(counts):
+            raise ValueError(
+                "TMCPosterior.sample: these draws hold no joint samples; fit with samples_per_draw > 0."
+            )
+        pooled = {
+            name: torch.cat([draw.samples[name] for draw in self.draws]) for name in self.draws[0].samples
+        }
+        per_draw = [torch.full((n,), -math.log(n), dtype=torch.float64) for n in counts]
+        log_weights = torch.cat([part + weight for part, weight in zip(per_draw, self.draw_weights.log())])
+        return pooled, log_weights
+
+    @staticmethod
+    def _count(draw: ReadoutDraw) -> int:
+        return next((values.shape[0] for values in draw.samples.values()), 0)
+
+    def posterior_draws(self) -> PosteriorDraws:
+        """The joint draws as :func:`~pyro_tmc.infer.posterior_draws` returns them (one set per TMC draw)."""
+        return PosteriorDraws([draw.samples for draw in self.draws], self.log_evidences)
+
+    def log_predictive(
+        self, *args, local_plates=None, num_samples: int = 16, **kwargs
+    ) -> PredictiveLogLikelihood:
+        """
+        The held-out predictive log-likelihood ``log p(y_test | y_train)``: the model called with
+        ``*args, **kwargs`` (the test data, observed), the fitted latents fixed to the pooled draws
+        (:func:`~pyro_tmc.infer.predictive_log_likelihood`, whose parameters these are).
+
+        :rtype: ~pyro_tmc.infer.PredictiveLogLikelihood
+        """
+        return predictive_log_likelihood(
+            self.model,
+            self.posterior_draws(),
+            *args,
+            local_plates=local_plates,
+            num_samples=num_samples,
+            **kwargs,
+        )
+
+    def pointwise_log_likelihood(self, samples: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """
+        ``log p(y_i | z_s)`` of every observed element at every draw ``z_s`` of ``samples``,
+        on the fitted data: observed site -> ``(S,) +`` its batch shape. What ``az.loo`` reads.
+        """
+        num_samples = next(iter(samples.values())).shape[0]
+        with torch.no_grad():
+            trial = pyro.poutine.trace(self.model).get_trace(*self.args, **self.kwargs)
+            nesting = _plate_nesting(trial)
+            fixed = {
+                name: _batched_over_draws(samples[name], site, nesting)
+                for name, site in trial.nodes.items()
+                if name in samples and site["type"] == "sample" and not site["is_observed"]
+            }
+            with pyro.plate(DRAWS_PLATE, num_samples, dim=-nesting - 1), FixedSites(fixed):
+                trace = pyro.poutine.trace(self.model).get_trace(*self.args, **self.kwargs)
+        pointwise = {}
+        for name, site in trace.nodes.items():
+            if site["type"] == "sample" and site["is_observed"] and name not in fixed:
+                log_prob = site["fn"].log_prob(site["value"])
+                pointwise[name] = log_prob.expand(site["fn"].batch_shape).reshape(num_samples, -1).double()
+        return pointwise
+
+    # -- diagnostics ----------------------------------------------------------------------------
+
+    def diagnostics(self, warn: bool = True) -> Diagnostics:
+        """
+        Effective sample sizes and Pareto k-hats of the pooled weights, per particle site and over
+        the draws; with ``warn``, a warning naming every site above the threshold (:data:`KHAT_LIMIT`).
+
+        :rtype: Diagnostics
+        """
+        khat, effective = {}, {}
+        for name in self.draws[0].log_weights:
+            # each draw's particles weighted within their draw (not times P_r: the draws' spread is the
+            # draws' own k-hat below, and mixing it in makes the tail a few draws' clusters)
+            within = torch.cat([draw.log_weights[name] for draw in self.draws], -1)
+            khat[name] = float(pareto_khat(within, dim=-1).nan_to_num(nan=0.0).max())
+            pooled = torch.cat(
+                [
+                    draw.log_weights[name] + weight
+                    for draw, weight in zip(self.draws, self.draw_weights.log())
+                ],
+                -1,
+            )
+            effective[name] = float(effective_sample_size(pooled, dim=-1).min())
+        khat_draws = (
+            float(pareto_khat(self.log_evidences, dim=-1))
+            if len(self.draws) > MIN_DRAWS_FOR_KHAT
+            else math.nan
+        )
+        effective_draws = float(effective_sample_size(self.log_evidences, dim=-1))
+        overall = max(
+            [value for value in [*khat.values(), khat_draws] if not math.isnan(value)], default=math.nan
+        )
+        untrusted = [name for name, value in khat.items() if value > KHAT_LIMIT]
+        if khat_draws > KHAT_LIMIT:
+            untrusted.append("<draws>")
+        if warn and untrusted:
+            values = {name: round(khat.get(name, khat_draws), 2) for name in untrusted}
+            warnings.warn(
+                f"TMCPosterior: the importance weights of {untrusted} have Pareto k-hat above {KHAT_LIMIT} "
+                f"({values}): a few particles carry "
+                "these estimates, and their standard errors are unreliable. Fit with more adaptation rounds "
+                "(adapt_rounds=), a larger read-out K (readout_samples=) or more draws (num_draws=).",
+                stacklevel=2,
+            )
+        return Diagnostics(khat, effective, khat_draws, effective_draws, overall, KHAT_LIMIT, untrusted)
+
+    @staticmethod
+    def draws_threshold(num_draws: int) -> float:
+        """The sample-size-dependent k-hat threshold for ``num_draws`` weights (:func:`khat_threshold`)."""
+        return khat_threshold(num_draws)
+
+    # -- export -------------------------------------------------------------------------------
+
+    def to_arviz(
+        self, num_samples: int = 1000, num_chains: int = 1, generator: Optional[torch.Generator] = None
+    ):
+        """
+        An ArviZ ``InferenceData``: a ``posterior`` group of ``num_samples`` equal-weight draws
+        (:meth:`sample`), a pointwise ``log_likelihood`` group on the fitted data (so that
+        ``az.loo`` and ``az.waic`` work), ``sample_stats`` (each draw's log-likelihood sum) and
+        ``observed_data``. Needs ArviZ (``pip install pyro_tmc[posterior]``).
+
+        :param int num_samples: posterior draws exported (a multiple of ``num_chains``).
+        :param int num_chains: ArviZ's chain dim (the draws are exchangeable, so any split is valid).
+        """
+        from pyro_tmc.infer.arviz_export import to_inference_data
+
+        samples = self.sample(num_samples, generator=generator)
+        log_likelihood = self.pointwise_log_likelihood(samples)
+        total = sum(values.sum(-1) for values in log_likelihood.values())
+        stats = {"log_likelihood": total} if log_likelihood else {}
+        observed = self._observed_data()
+        return to_inference_data(
+            samples,
+            log_likelihood=log_likelihood,
+            sample_stats=stats,
+            observed_data=observed,
+            num_chains=num_chains,
+        )
+
+    def _observed_data(self) -> dict[str, torch.Tensor]:
+        with torch.no_grad():
+            trace = pyro.poutine.trace(self.model).get_trace(*self.args, **self.kwargs)
+        return {
+            name: site["value"].detach()
+            for name, site in trace.nodes.items()
+            if site["type"] == "sample" and site["is_observed"]
+        }
+
+    def __repr__(self) -> str:
+        return (
+            f"TMCPosterior({len(self.draws)} TMC draws, {len(self.draws[0].firsts)} sites, "
+            f"log p(x) ~ {float(self.log_evidence):.3f})"
+        )

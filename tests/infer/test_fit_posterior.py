@@ -1,0 +1,144 @@
+"""fit_posterior and the TMCPosterior it returns, against a hierarchical Gaussian model's exact posterior."""
+
+import math
+
+import pytest
+import torch
+
+import pyro
+import pyro.distributions as dist
+from pyro.infer import Predictive
+
+from pyro_tmc.infer import TMCPosterior, fit_posterior
+
+GROUP_SCALE, NOISE_SCALE = 1.0, 0.5
+DATA = torch.tensor([1.2, 0.3, -0.4, 2.0, 0.9])
+
+
+def hierarchical_model(y):
+    mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+    with pyro.plate("groups", len(y)):
+        theta = pyro.sample("theta", dist.Normal(mu, GROUP_SCALE))
+        pyro.sample("y", dist.Normal(theta, NOISE_SCALE), obs=y)
+
+
+def exact_posterior(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and covariance of (mu, theta_1..n) given y: a linear-Gaussian model, in float64."""
+    n = len(y)
+    # z = (mu, theta): mu ~ N(0, 1), theta = mu + GROUP_SCALE e; y = theta + NOISE_SCALE e'
+    prior_cov = torch.zeros(n + 1, n + 1, dtype=torch.float64)
+    prior_cov[0, 0] = 1.0
+    prior_cov[0, 1:] = prior_cov[1:, 0] = 1.0
+    prior_cov[1:, 1:] = 1.0 + GROUP_SCALE**2 * torch.eye(n, dtype=torch.float64)
+    observe = torch.cat([torch.zeros(n, 1), torch.eye(n)], 1).double()  # y = observe @ z + noise
+    precision = torch.linalg.inv(prior_cov) + observe.T @ observe / NOISE_SCALE**2
+    cov = torch.linalg.inv(precision)
+    mean = cov @ (observe.T @ y.double() / NOISE_SCALE**2)
+    return mean, cov
+
+
+@pytest.fixture(scope="module")
+def fitted() -> TMCPosterior:
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    return fit_posterior(
+        hierarchical_model,
+        DATA,
+        num_steps=300,
+        num_samples=16,
+        learning_rate=0.05,
+        adapt_rounds=2,
+        adapt_draws=6,
+        readout_samples=64,
+        num_draws=20,
+        samples_per_draw=50,
+        max_plate_nesting=1,
+        progress=False,
+    )
+
+
+def test_moments_match_the_exact_posterior(fitted):
+    mean, cov = exact_posterior(DATA)
+    sd = cov.diagonal().sqrt()
+    got_mean = torch.cat([fitted.mean("mu").reshape(1), fitted.mean("theta")])
+    got_sd = torch.cat([fitted.stddev("mu").reshape(1), fitted.stddev("theta")])
+    mean_error = torch.cat([fitted.moments["mu"].mean_error.reshape(1), fitted.moments["theta"].mean_error])
+    sd_error = torch.cat([fitted.moments["mu"].stddev_error.reshape(1), fitted.moments["theta"].stddev_error])
+    # within 4 standard errors plus a floor for the pooled ratio estimator's own small bias
+    assert ((got_mean - mean).abs() <= 4 * mean_error + 0.02 * sd).all(), (got_mean, mean, mean_error)
+    assert ((got_sd - sd).abs() <= 4 * sd_error + 0.03 * sd).all(), (got_sd, sd, sd_error)
+
+
+def test_log_evidence_matches_the_exact_marginal(fitted):
+    _, cov = exact_posterior(DATA)
+    n = len(DATA)
+    marginal_cov = torch.ones(n, n, dtype=torch.float64) + (GROUP_SCALE**2 + NOISE_SCALE**2) * torch.eye(
+        n, dtype=torch.float64
+    )
+    exact = dist.MultivariateNormal(torch.zeros(n, dtype=torch.float64), marginal_cov).log_prob(DATA.double())
+    spread = fitted.log_evidences.std() / math.sqrt(len(fitted.draws))
+    assert abs(float(fitted.log_evidence) - float(exact)) < 4 * float(spread) + 0.02
+
+
+def test_sample_gives_equal_weight_draws_for_predictive(fitted):
+    mean, cov = exact_posterior(DATA)
+    samples = fitted.sample(4000, generator=torch.Generator().manual_seed(0))
+    assert samples["mu"].shape == (4000,)
+    assert samples["theta"].shape == (4000, len(DATA))
+    # the resampled draws' mean: within 4 of their own standard errors (draws are correlated by
+    # resampling, so the error uses the pooled draws' effective count, at least the TMC draws')
+    sd = cov.diagonal().sqrt()[0]
+    assert abs(float(samples["mu"].double().mean()) - float(mean[0])) < 4 * float(sd) / math.sqrt(20) + 0.05
+    predictive = Predictive(hierarchical_model, posterior_samples=samples, return_sites=["y"])
+    assert predictive(DATA)["y"].shape == (4000, len(DATA))
+
+
+def test_diagnostics_trust_a_well_fitted_posterior(fitted):
+    diagnostics = fitted.diagnostics()
+    assert set(diagnostics.site_khat) >= {"theta"} or diagnostics.site_khat
+    assert diagnostics.untrusted == [], diagnostics
+    assert all(value < 0.7 for value in diagnostics.site_khat.values())
+    assert 1 <= diagnostics.effective_draws <= len(fitted.draws)
+
+
+def test_diagnostics_name_the_sites_of_a_poor_proposal():
+    """The prior as the proposal of a sharp posterior, read at a small K: k-hat flags it, with a warning."""
+    y = torch.tensor([3.0, 3.2, 2.9, 3.1, 3.3]) * 3
+    pyro.clear_param_store()
+    pyro.set_rng_seed(1)
+
+    def empty_guide(y):
+        pass
+
+    posterior = fit_posterior(
+        hierarchical_model,
+        y,
+        guide=empty_guide,
+        num_steps=0,
+        adapt_rounds=0,
+        readout_samples=8,
+        num_draws=20,
+        samples_per_draw=0,
+        max_plate_nesting=1,
+        progress=False,
+    )
+    with pytest.warns(UserWarning, match="k-hat"):
+        diagnostics = posterior.diagnostics()
+    assert diagnostics.untrusted, diagnostics
+
+
+def test_to_arviz_has_the_groups_loo_needs(fitted):
+    az = pytest.importorskip("arviz")
+    data = fitted.to_arviz(num_samples=400, num_chains=2, generator=torch.Generator().manual_seed(0))
+    assert {"posterior", "log_likelihood", "sample_stats", "observed_data"} <= set(data.groups())
+    assert data.posterior["theta"].shape[:2] == (2, 200)
+    assert data.log_likelihood["y"].shape[:2] == (2, 200)
+    loo = az.loo(data)
+    assert math.isfinite(float(loo.elpd_loo))
+    summary = az.summary(data, var_names=["mu"])
+    assert "mean" in summary.columns
+
+
+def test_log_predictive_of_new_groups_is_finite(fitted):
+    result = fitted.log_predictive(torch.tensor([0.5, 1.0, 1.5]), num_samples=32)
+    assert math.isfinite(float(result.log_likelihood))
