@@ -69,6 +69,24 @@ def test_discrete_sites_are_left_to_tmc(float64):
     assert abs(float(log_estimates.mean()) - discrete_log_px(1.5, with_z=True)) < 0.05
 
 
+def stacking_model() -> None:
+    """Stacks a latent into a vector: it does not broadcast over a plate of prior draws left of it."""
+    z = pyro.sample("z", dist.Normal(0.0, 1.0))
+    pyro.sample("w", dist.Normal(torch.stack([z, 2 * z]), 1.0).to_event(1))
+
+
+def test_prior_start_of_a_model_that_does_not_broadcast(float64):
+    """The prior draws fall back to one run per draw: w's start regresses on z with slopes 1 and 2."""
+    pyro.set_rng_seed(0)
+    proposal = AdaptiveProposal(stacking_model, num_prior_draws=2000)
+    assert [g.name for g in proposal.globals] == ["z", "w"]
+    loc = proposal.global_proposal.loc
+    covariance = proposal.global_proposal.scale_tril @ proposal.global_proposal.scale_tril.T
+    exact = torch.tensor([[1.0, 1.0, 2.0], [1.0, 2.0, 2.0], [2.0, 2.0, 5.0]])
+    # 2,000 draws: the covariance's standard errors under 0.2
+    assert torch.allclose(loc, torch.zeros(3), atol=0.2) and torch.allclose(covariance, exact, atol=0.5)
+
+
 def test_subsampled_plates_are_refused(float64):
     def model(x):
         with pyro.plate("data", 10, subsample_size=4):
