@@ -220,7 +220,11 @@ def read_factor_posteriors(draw, proposal: AdaptiveProposal):
         factors += [LogFactor(f"(source {name})", source) for name, source in sources.items()]
         log_estimate = contract_estimate(factors, draw.scales)
         grads = torch.autograd.grad(log_estimate, list(sources.values()), allow_unused=True)
-    weights = {name: torch.zeros_like(s) if g is None else g for (name, s), g in zip(sources.items(), grads)}
+    # a marginal weight is a sum of non-negative terms: what rounding leaves below zero is none
+    weights = {
+        name: torch.zeros_like(s) if g is None else g.clamp(min=0)
+        for (name, s), g in zip(sources.items(), grads)
+    }
     globals_read = None
     if aux is not None:
         values = aux["value"].detach()
