@@ -136,6 +136,26 @@ def test_adapted_schools_match_the_exact_posterior(float64):
     assert z_mean < 4 and z_sd < 4, (z_mean, z_sd)
 
 
+def test_the_globals_take_their_own_k(float64):
+    """
+    global_samples: K = 64 joint draws of the globals, 8 of each local. Measured over seeds 0-2
+    (3 rounds of 10 draws, no widening): mu's fitted mean within 0.02-0.26 posterior sd of the
+    exact one, its sd 0.82-1.13 of the exact (one round's draws: the weights of mu's particles
+    carry the noise of 8 schools' sums over 8 particles each).
+    """
+    pyro.set_rng_seed(0)
+    y = torch.tensor(SCHOOL_Y)
+    post_mean, post_cov, _ = schools_exact()
+    proposal = AdaptiveProposal(schools_model, y, global_samples=64)
+    draw = TMC_ELBO(num_samples=8, max_plate_nesting=1).draw(schools_model, proposal, y)
+    assert draw.guide_trace.nodes["_adaptive_globals"]["value"].shape[0] == 64
+    adapted = adapt(schools_model, proposal, y, num_samples=8, rounds=3, widen_globals=1.0)
+    assert adapted.global_samples == 64
+    sd = math.sqrt(post_cov[0, 0])
+    assert abs(float(adapted.global_proposal.loc) - post_mean[0]) < 0.5 * sd
+    assert float(adapted.global_proposal.scale_tril) == pytest.approx(sd, rel=0.35)
+
+
 @pytest.mark.slow
 def test_adapted_chain_follows_the_exact_conditionals(float64):
     """
