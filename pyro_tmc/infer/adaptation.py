@@ -146,8 +146,10 @@ def factor_elements(proposal: AdaptiveProposal, num_samples: int) -> int:
 def _rounds(rounds: int, progress: bool):
     if not progress:
         return range(rounds)
-    from tqdm.auto import tqdm  # Pyro's own dependency
-
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # no progress bar without tqdm: the rounds run all the same
+        return range(rounds)
     return tqdm(range(rounds), desc="adapting the proposal")
 
 
