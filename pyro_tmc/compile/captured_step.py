@@ -89,6 +89,16 @@ from pyro_tmc.compile.forward_trace import (
     derive_backward,
 )
 from pyro_tmc.compile.loop_rolling import count_groups, count_operations, roll, rolled_runner
+from pyro_tmc.compile.phase_times import (
+    COMPILE,
+    EAGER,
+    PLAN_ROLLING,
+    ROLL_STEP,
+    TRACE_BACKWARD,
+    TRACE_FORWARD,
+    PhaseTimes,
+    timed,
+)
 from pyro_tmc.ops.capture import (
     RepairCount,
     any_flag,
@@ -262,6 +272,8 @@ class CapturedStep:
     #: the modules' buffers the graph takes after the arguments (:func:`buffers_beside`), and their specs
     buffers: list[tuple[torch.nn.Module, str]] = dataclasses.field(default_factory=list)
     buffer_specs: list[tuple] = dataclasses.field(default_factory=list)
+    #: the seconds of its capture's phases, and of its first replay (:mod:`pyro_tmc.compile.phase_times`)
+    times: PhaseTimes = dataclasses.field(default_factory=PhaseTimes)
 
     def inputs_after_params(self, arguments: list[torch.Tensor]) -> Optional[list[torch.Tensor]]:
         """The tensor arguments, then the buffers as they are now; ``None`` if a buffer's spec changed."""
@@ -284,6 +296,7 @@ def capture_step(
     roll_above: Optional[int] = None,
     batch_draws: bool = False,
     roll_at_most: float = CompileConfig.roll_at_most,
+    times: Optional[PhaseTimes] = None,
 ) -> "Capture":
     """
     Trace ``differentiable_loss(*args, **kwargs)`` and its gradient with respect
@@ -303,6 +316,7 @@ def capture_step(
     :param bool batch_draws: see :func:`~pyro_tmc.compile.loop_rolling.plan_groups`.
     :param float roll_at_most: roll a forward whose groups are at most this share of its
         operations (``CompileConfig.roll_at_most``).
+    :param PhaseTimes times: where each phase's seconds are added (``None``: not timed).
 
     :returns: the graphs, and the structure the trace recorded.
     :raises GraphFallback: where tracing fails (a branch on values, a tensor read
@@ -346,16 +360,19 @@ def capture_step(
         # a lazy graph writes its Python code at its first call, not at each recompile: a long
         # step's graph is rewritten by rolling and may never run (tens of thousands of operations)
         with use_lazy_graph_module(True):
-            forward_graph = make_fx(forward, tracing_mode="fake")(*as_leaves(inputs, num_params))
+            with timed(times, TRACE_FORWARD):
+                forward_graph = make_fx(forward, tracing_mode="fake")(*as_leaves(inputs, num_params))
             _check_buffers_read_only(forward_graph, buffers, num_params + num_arguments)
             if not own_backward[-1]:
                 program = _backward_of(
-                    forward_graph, inputs, num_params, roll_above, batch_draws, roll_at_most
+                    forward_graph, inputs, num_params, roll_above, batch_draws, roll_at_most, times
                 )
                 return Capture(program, forward_graph, recorded[0], buffers)
             # its own backward, as autograd runs it: about three operations per forward one
-            whole = derive_backward(run_loss, inputs, num_params)
-            program = _rolled(whole, inputs, None if roll_above is None else 3 * roll_above, batch_draws)
+            with timed(times, TRACE_BACKWARD):
+                whole = derive_backward(run_loss, inputs, num_params)
+            with timed(times, ROLL_STEP):
+                program = _rolled(whole, inputs, None if roll_above is None else 3 * roll_above, batch_draws)
             return Capture(program, whole, recorded[0], buffers)
     except GraphFallback:
         raise
@@ -424,6 +441,7 @@ def _backward_of(
     roll_above: Optional[int],
     batch_draws: bool,
     roll_at_most: float,
+    times: Optional[PhaseTimes] = None,
 ) -> torch.fx.GraphModule:
     """
     The whole step's graph from its traced forward: the forward rolled where it has
@@ -433,17 +451,22 @@ def _backward_of(
     forward.graph.eliminate_dead_code()
     if roll_above is not None and count_operations(forward) > roll_above:
         try:
-            runner = rolled_runner(forward, batch_draws)
+            with timed(times, PLAN_ROLLING):
+                runner = rolled_runner(forward, batch_draws)
             operations = count_operations(forward)
             if count_groups(runner) <= roll_at_most * operations:
                 # autograd's backward of the rolled forward still has a few per-step leftovers (the
                 # zero gradients of an unbind's unused outputs): rolled in turn
-                graph = _rolled(derive_backward(runner, inputs, num_params), inputs, roll_above, batch_draws)
+                with timed(times, TRACE_BACKWARD):
+                    whole = derive_backward(runner, inputs, num_params)
+                with timed(times, ROLL_STEP):
+                    graph = _rolled(whole, inputs, roll_above, batch_draws)
                 graph.meta[ROLLED_FROM] = operations
                 return graph
         except Exception as error:  # the unrolled graph is always right
             _warn_not_rolled(error)
-    return derive_backward(InGradModes(forward).run, inputs, num_params)
+    with timed(times, TRACE_BACKWARD):
+        return derive_backward(InGradModes(forward).run, inputs, num_params)
 
 
 def _rolled(
@@ -605,6 +628,14 @@ class StepProgram:
             yield
         self._repairs[key] = merge_repair_counts(self._repairs.get(key), counts)
 
+    def phase_seconds(self) -> dict[str, float]:
+        """
+        The seconds of each phase of the latest capture and of its first replay
+        (:mod:`pyro_tmc.compile.phase_times`); empty before any capture.
+        """
+        captured = [step for step in self._steps.values() if step.graph is not None]
+        return dict(captured[-1].times.seconds) if captured else {}
+
     def wait_for_compiles(self) -> None:
         """Block until every compile started in the background (``compile_in_background``) has finished."""
         for captured in list(self._steps.values()):
@@ -660,10 +691,11 @@ class StepProgram:
 
     def _capture(self, key, differentiable_loss, arguments, rebuild, eager_step, args, kwargs) -> float:
         recorder = StructureRecorder()
+        times = PhaseTimes()
         start = time.perf_counter()
         # the parameters this step reads, and how many entries its products repair, from an
         # eager run (also this step's result), with what the key's earlier eager steps repaired
-        with recorder, self._counting_repairs(key):
+        with recorder, self._counting_repairs(key), times.phase(EAGER):
             loss = eager_step(args, kwargs)
         eager_seconds = time.perf_counter() - start
         repair_counts = self._repairs[key]
@@ -680,6 +712,7 @@ class StepProgram:
                 roll_above=self.roll_above,
                 batch_draws=batches_draws(self.batch_draws, self.mode, devices),
                 roll_at_most=self.config.roll_at_most,
+                times=times,
             )
         except GraphFallback as reason:
             self._steps[key] = CapturedStep(None, None, names, [], [])
@@ -693,7 +726,7 @@ class StepProgram:
         program.graph.eliminate_dead_code()
         program.recompile()
         specs = [_spec(p) for p in params]
-        captured = CapturedStep(program, unrolled, names, specs, structure, [eager_seconds])
+        captured = CapturedStep(program, unrolled, names, specs, structure, [eager_seconds], times=times)
         captured.buffers, captured.buffer_specs = buffers, [_spec(b) for b in current_buffers(buffers)]
         if self.mode == "inductor" and not self._too_large(program):
             _write_code(program)
@@ -740,7 +773,11 @@ class StepProgram:
                 return captured.program(*params, *inputs)
 
         try:
-            loss, underflow, *grads = run()
+            if captured.attempts == 0:  # inductor compiles at the first replay: its seconds are the compile's
+                with captured.times.phase(COMPILE):
+                    loss, underflow, *grads = run()
+            else:
+                loss, underflow, *grads = run()
         except Exception as error:  # inductor compiles at the first replay: it may fail there
             if captured.uncompiled is None:
                 raise
