@@ -25,7 +25,11 @@ Cases (each timed as one forward + backward step):
    a capacity fitted, as pyro_tmc fits its own, to the entries three draws needed);
 3. the toy model at N=128 K=8, where per-step overhead dominates;
 4. an HMM with enumerated states (16 sequences in a plate, T=50 and 200, AutoDelta globals):
-   ``pyro_tmc.TMC_ELBO`` against Pyro's own ``TraceEnum_ELBO`` on the same model and guide.
+   ``pyro_tmc.TMC_ELBO`` against Pyro's own ``TraceEnum_ELBO`` on the same model and guide;
+5. (``first_step``) the enumerated-state HMM of ``first_step.py`` (4 states, 3-dim Gaussian
+   emissions, an empty guide, T=200 and 1000) under ``compile="inductor"``, beside NumPyro's
+   ``scan`` where NumPyro is installed (the ``peers`` extra): each in a child process with cold
+   caches, its compile column the first 8 steps, its phases in the notes.
 
 pyro_tmc is timed eagerly and with ``TMC_ELBO(compile="graph")`` (the estimate traced once
 into a graph of tensor operations and replayed) and, where torch.compile is on,
@@ -620,6 +624,40 @@ def chain_case(num_steps: int, num_samples: int, device: str, graph_rows: bool =
     return case
 
 
+# -- the enumerated-state HMM beside NumPyro's scan: benchmarks/first_step.py ----------
+
+
+def first_step_rows(cases: tuple[str, ...], device: str) -> tuple[list[str], list[str]]:
+    """
+    The rows of ``first_step.py`` (each case and mode in a child process with cold caches), in
+    this table's form: the compile column is the first 8 steps (NumPyro's: its first, jit-compiled,
+    call), the last column pyro_tmc's time over NumPyro's ``scan`` (the careful reference here;
+    ``nan`` without NumPyro). CPU only: the children run on the CPU.
+    """
+    import first_step
+
+    if device != "cpu":
+        return [], ["first_step cases: CPU only, left out"]
+    modes = ["inductor"] + (["numpyro"] if first_step.numpyro_available() else [])
+    notes = [] if "numpyro" in modes else ["NumPyro rows left out: numpyro, jax or funsor is not importable"]
+    rows = []
+    for case in cases:
+        results = {mode: first_step.run_child(case, mode, warm=False, timeout=1800) for mode in modes}
+        reference = results.get("numpyro", {}).get("ms_per_step", float("nan"))
+        for mode, result in results.items():
+            name = first_step.label(mode)
+            if "error" in result:
+                rows.append(f"| {case} | {name} | failed: {result['error']} | - | - |")
+                continue
+            ms, first = result["ms_per_step"], result["first_steps_s"]
+            rows.append(f"| {case} | {name} | {ms:.2f} | {first:.1f} | {ms / reference:.2f} |")
+            if result.get("phases_s"):
+                phases = ", ".join(f"{k} {v:.1f} s" for k, v in result["phases_s"].items())
+                notes.append(f"{case}, {name}: first steps' phases: {phases}; loss {result['loss']:.3f}")
+    print("\n".join(rows), flush=True)
+    return rows, notes
+
+
 # -- timing and the table --------------------------------------------------------------
 
 
@@ -672,6 +710,22 @@ def warm_compiler(device: str) -> float:
     return time.perf_counter() - start
 
 
+def case_sizes(quick: bool, skip_long: bool) -> tuple:
+    """The toy's (N, K)s, the chain's lengths, the overhead toy's (N, K), the chain's K, the HMM's lengths."""
+    if quick:
+        toy_sizes, chain_sizes, overhead, chain_k, hmm_lengths = (
+            ((16, 8), (64, 4)),
+            (10, 20),
+            (16, 4),
+            8,
+            (10,),
+        )
+    else:
+        toy_sizes, chain_sizes = ((128, 128), (1024, 32)), (100, 1000)
+        overhead, chain_k, hmm_lengths = (128, 8), 32, (50, 200)
+    return toy_sizes, chain_sizes[:1] if skip_long else chain_sizes, overhead, chain_k, hmm_lengths
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -694,7 +748,7 @@ def main(argv=None) -> None:
         "--only",
         default=None,
         help="comma-separated cases, run in this order: toy, chain (or one length: chain100, "
-        "chain1000), overhead, hmm (default: all)",
+        "chain1000), overhead, hmm, first_step (the Gaussian HMM beside NumPyro; default: all)",
     )
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -710,16 +764,7 @@ def main(argv=None) -> None:
     pyro.enable_validation(False)  # as in production training loops
     torch.manual_seed(0)
 
-    if args.quick:
-        toy_sizes, chain_sizes, overhead = ((16, 8), (64, 4)), (10, 20), (16, 4)
-        chain_k = 8
-        hmm_lengths = (10,)
-    else:
-        toy_sizes, chain_sizes, overhead = ((128, 128), (1024, 32)), (100, 1000), (128, 8)
-        chain_k = 32
-        hmm_lengths = (50, 200)
-    if args.skip_long:
-        chain_sizes = chain_sizes[:1]
+    toy_sizes, chain_sizes, overhead, chain_k, hmm_lengths = case_sizes(args.quick, args.skip_long)
 
     header = [
         f"device: {device_name(args.device)} ({args.device}); torch threads: {torch.get_num_threads()}; "
@@ -746,9 +791,12 @@ def main(argv=None) -> None:
         "overhead": [lambda: toy_case(overhead[0], overhead[1], args.device, compiled)],
         "hmm": [lambda n=n: hmm_case(n, args.device) for n in hmm_lengths],
     }
+    # the enumerated-state HMM of benchmarks/first_step.py, beside NumPyro's scan (rows, not a Case)
+    first_step_cases = ("hmm200",) if args.quick else ("hmm200", "hmm1000")
     # by default each case once: chain100 and chain1000 are the chain's two lengths, taken apart
-    kinds = args.only.split(",") if args.only else ["toy", "chain", "overhead", "hmm"]
-    cases = [make for kind in kinds for make in cases[kind]]
+    kinds = args.only.split(",") if args.only else ["toy", "chain", "overhead", "hmm", "first_step"]
+    cases = [make for kind in kinds if kind != "first_step" for make in cases[kind]]
+    first_steps = [first_step_cases] * (compiled and "first_step" in kinds)
 
     def write_table() -> None:  # after every case: a run stopped by its limit keeps what it finished
         if args.out:
@@ -760,6 +808,10 @@ def main(argv=None) -> None:
             case = make()
             table += run_case(case, repeats, args.device)
             notes += case.notes
+            write_table()
+        for rows, more_notes in map(first_step_rows, first_steps, [args.device] * len(first_steps)):
+            table += rows
+            notes += more_notes
             write_table()
     finally:
         shutil.rmtree(cache_dir, ignore_errors=True)

@@ -1,0 +1,336 @@
+"""Seconds to the first steps of a captured loop, phase by phase, beside NumPyro's ``scan``.
+
+    python benchmarks/first_step.py                               # every case, CPU, 1 thread
+    python benchmarks/first_step.py --cases hmm200 --modes inductor
+    python benchmarks/first_step.py --warm                        # inductor's caches filled first
+
+Cases (one ``loss_and_grads`` of ``TMC_ELBO`` per step):
+
+- ``hmm200``, ``hmm1000``: an HMM with enumerated states (4 states, 16 sequences in a plate,
+  3-dim Gaussian emissions of unit scale, learnable transition matrix and emission means, an
+  empty guide), ``T`` steps written as a ``pyro.markov`` loop. With the empty guide the loss
+  is exactly ``-log p(y)``: 16673.627 (T=200) and 83009.370 (T=1000) at the initial values,
+  by a float64 forward algorithm. The data, ``benchmarks/data/numpyro_hmm/``, are those of the
+  NumPyro peer the issue that asked for this benchmark compared against (copied from the
+  project's shared ``peers/numpyro_hmm/``: ``obs_T200.npy``, ``obs_T1000.npy``, float32
+  ``T x 16 x 3``; ``locs.npy``, the initial means; the transitions start uniform).
+- ``chain1000``: the paper's Fig. 4 chain, N=1000, K=32, as ``frontier.py`` writes it.
+
+Each case and mode runs in a child process of its own, with cold inductor caches (a fresh
+``TORCHINDUCTOR_CACHE_DIR``; ``--warm`` runs it once before, into the same directory): the
+first-steps column is the wall time of its first 8 steps (an eager step, the capture, the
+first replay, where inductor compiles, and five replays), and the phases are
+:meth:`pyro_tmc.compile.captured_step.StepProgram.phase_seconds`. The per-step column is
+the median of 20 later steps.
+
+The NumPyro rows (when ``numpyro``, ``jax`` and ``funsor`` are importable: the ``peers``
+extra; skipped with a note otherwise) time the same HMM written with
+``numpyro.contrib.control_flow.scan`` over the steps after the first, its loss
+``-log p(y)`` from ``numpyro.contrib.funsor.log_density`` with the states enumerated,
+and one Adam update, jit-compiled by XLA on one thread. NumPyro's ``TraceEnum_ELBO`` is
+not used: with ``scan`` and enumerated states it gives a wrong loss (29836.1 at T=200).
+Each NumPyro row's loss is checked against the exact value.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DATA = os.path.join(HERE, "data", "numpyro_hmm")
+NUM_STATES = 4
+#: -log p(y) at the initial values, by a float64 forward algorithm
+EXACT = {200: 16673.627, 1000: 83009.370}
+CASES = ("hmm200", "hmm1000", "chain1000")
+MODES = ("graph", "inductor", "numpyro")
+FIRST_CALLS = 8
+TIMED_STEPS = 20
+
+
+# -- pyro_tmc ---------------------------------------------------------------------------
+
+
+def hmm_data(length: int):
+    import numpy as np
+    import torch
+
+    observations = torch.from_numpy(np.load(os.path.join(DATA, f"obs_T{length}.npy")))
+    locs = torch.from_numpy(np.load(os.path.join(DATA, "locs.npy")))
+    return observations, locs
+
+
+def make_hmm(initial_locs):
+    """The HMM's model and (empty) guide; ``observations`` is ``(T, sequences, 3)``."""
+    import torch
+
+    import pyro
+    import pyro.distributions as dist
+    from pyro.infer import config_enumerate
+
+    @config_enumerate
+    def model(observations):
+        transition = pyro.param(
+            "transition",
+            lambda: torch.full((NUM_STATES, NUM_STATES), 1.0 / NUM_STATES),
+            constraint=dist.constraints.simplex,
+        )
+        locs = pyro.param("locs", initial_locs.clone)
+        uniform = torch.full((NUM_STATES,), 1.0 / NUM_STATES)
+        with pyro.plate("sequences", observations.shape[1], dim=-1):
+            state = None
+            for t in pyro.markov(range(observations.shape[0])):
+                probs = uniform if state is None else transition[state]
+                state = pyro.sample(f"state_{t}", dist.Categorical(probs))
+                pyro.sample(f"y_{t}", dist.Normal(locs[state], 1.0).to_event(1), obs=observations[t])
+
+    def guide(observations):
+        pass
+
+    return model, guide
+
+
+def pyro_tmc_case(case: str, mode: str):
+    """``(loss, model, guide, args)`` of a case under ``TMC_ELBO(compile=mode)``."""
+    from pyro_tmc import TMC_ELBO
+
+    if case.startswith("hmm"):
+        observations, locs = hmm_data(int(case[3:]))
+        model, guide = make_hmm(locs)
+        return TMC_ELBO(num_samples=4, max_plate_nesting=1, compile=mode), model, guide, (observations,)
+    import torch
+
+    sys.path.insert(0, HERE)
+    import frontier
+
+    N = int(case[len("chain") :])
+    loss = TMC_ELBO(num_samples=32, max_plate_nesting=0, compile=mode)
+    return loss, frontier.chain_model, frontier.chain_guide, (torch.tensor(frontier.CHAIN_X), N)
+
+
+def run_pyro_tmc(case: str, mode: str) -> dict:
+    import torch
+
+    import pyro
+
+    torch.set_num_threads(1)
+    pyro.enable_validation(False)
+    pyro.set_rng_seed(0)
+    pyro.clear_param_store()
+    loss, model, guide, args = pyro_tmc_case(case, mode)
+
+    def step() -> float:
+        value = loss.loss_and_grads(model, guide, *args)
+        for param in pyro.get_param_store().values():
+            param.unconstrained().grad = None
+        return value
+
+    calls, values = [], []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RuntimeWarning)
+        for _ in range(FIRST_CALLS):
+            start = time.perf_counter()
+            values.append(step())
+            calls.append(time.perf_counter() - start)
+    messages = [str(w.message)[:200] for w in caught if str(w.message).startswith("pyro_tmc")]
+    seconds = []
+    for _ in range(TIMED_STEPS):
+        start = time.perf_counter()
+        step()
+        seconds.append(time.perf_counter() - start)
+    program = loss.step_program
+    return {
+        "first_steps_s": sum(calls),
+        "calls_s": calls,
+        "phases_s": program.phase_seconds(),
+        "ms_per_step": 1e3 * statistics.median(seconds),
+        "loss": values[0],
+        "captures": program.captures,
+        "replays": program.replays,
+        "warnings": messages,
+    }
+
+
+# -- NumPyro --------------------------------------------------------------------------------
+
+
+def numpyro_available() -> bool:
+    try:
+        import funsor  # noqa: F401
+        import jax  # noqa: F401
+        import numpyro  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def run_numpyro(case: str) -> dict:
+    """The HMM in NumPyro: ``scan`` over steps 1..T-1, ``-log p(y)`` by funsor, one Adam update."""
+    os.environ["XLA_FLAGS"] = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import numpyro
+    import numpyro.distributions as ndist
+    from numpyro.contrib.control_flow import scan
+    from numpyro.contrib.funsor import config_enumerate, enum, log_density
+    from numpyro.distributions.transforms import biject_to
+
+    length = int(case[3:])
+    observations = jnp.asarray(np.load(os.path.join(DATA, f"obs_T{length}.npy")))
+    initial_locs = jnp.asarray(np.load(os.path.join(DATA, "locs.npy")))
+    to_simplex = biject_to(ndist.constraints.simplex)
+    num_sequences = observations.shape[1]
+
+    def emit(locs, state, y):
+        numpyro.sample("y", ndist.Normal(locs[state], 1.0).to_event(1), obs=y)
+
+    def model(transition, locs, observations):
+        with numpyro.plate("sequences", num_sequences, dim=-1):
+            first = numpyro.sample(
+                "state_0",
+                ndist.Categorical(jnp.full(NUM_STATES, 1.0 / NUM_STATES)),
+                infer={"enumerate": "parallel"},
+            )
+            numpyro.sample("y_0", ndist.Normal(locs[first], 1.0).to_event(1), obs=observations[0])
+
+        def transition_step(state, y):
+            with numpyro.plate("sequences", num_sequences, dim=-1):
+                state = numpyro.sample(
+                    "state", ndist.Categorical(transition[state]), infer={"enumerate": "parallel"}
+                )
+                emit(locs, state, y)
+            return state, None
+
+        scan(transition_step, first, observations[1:])
+
+    enumerated = enum(config_enumerate(model), first_available_dim=-2)
+
+    def negative_log_likelihood(unconstrained):
+        transition = to_simplex(unconstrained["transition"])
+        log_joint, _ = log_density(enumerated, (transition, unconstrained["locs"], observations), {}, {})
+        return -log_joint
+
+    optimizer = numpyro.optim.Adam(1e-3)
+
+    def update(state):
+        value, grads = jax.value_and_grad(negative_log_likelihood)(optimizer.get_params(state))
+        return optimizer.update(grads, state), value
+
+    start = time.perf_counter()
+    unconstrained = {
+        "transition": to_simplex.inv(jnp.full((NUM_STATES, NUM_STATES), 1.0 / NUM_STATES)),
+        "locs": initial_locs,
+    }
+    state = optimizer.init(unconstrained)
+    update = jax.jit(update)
+    state, value = update(state)
+    value.block_until_ready()
+    first = time.perf_counter() - start
+    for _ in range(3):
+        state, loss = update(state)
+        loss.block_until_ready()
+    seconds = []
+    for _ in range(TIMED_STEPS):
+        start = time.perf_counter()
+        state, loss = update(state)
+        loss.block_until_ready()
+        seconds.append(time.perf_counter() - start)
+    return {
+        "first_steps_s": first,
+        "ms_per_step": 1e3 * statistics.median(seconds),
+        "loss": float(value),
+        "phases_s": {},
+    }
+
+
+# -- the table ------------------------------------------------------------------------------
+
+
+def child(case: str, mode: str) -> dict:
+    return run_numpyro(case) if mode == "numpyro" else run_pyro_tmc(case, mode)
+
+
+def run_child(case: str, mode: str, warm: bool, timeout: float) -> dict:
+    """One case and mode in a fresh process, with its own (cold, or with ``warm`` filled) caches."""
+    cache = tempfile.mkdtemp(prefix="first_step_inductor_")
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
+    command = [sys.executable, os.path.abspath(__file__), "--child", case, mode]
+    try:
+        for _ in range(2 if warm and mode == "inductor" else 1):
+            done = subprocess.run(
+                command, check=False, env=env, capture_output=True, text=True, timeout=timeout
+            )
+    except subprocess.TimeoutExpired:
+        return {"error": f"over {timeout:.0f} s"}
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode or not lines:
+        return {"error": (done.stderr.strip().splitlines() or ["no output"])[-1][:200]}
+    return json.loads(lines[-1])
+
+
+def label(mode: str) -> str:
+    """A row's method."""
+    return (
+        "NumPyro scan + funsor log_density (jit, Adam)" if mode == "numpyro" else f"pyro_tmc compile={mode!r}"
+    )
+
+
+def row(case: str, mode: str, result: dict) -> str:
+    method = label(mode)
+    if "error" in result:
+        return f"| {case} | {method} | failed: {result['error']} | | | |"
+    phases = ", ".join(f"{name} {seconds:.2f}" for name, seconds in result["phases_s"].items())
+    exact = EXACT.get(int(case[3:])) if case.startswith("hmm") else None
+    loss = f"{result['loss']:.3f}" + (
+        "" if exact is None else (" (exact)" if abs(result["loss"] - exact) <= 1e-4 * exact else " (WRONG)")
+    )
+    first = result["first_steps_s"]
+    return f"| {case} | {method} | {result['ms_per_step']:.2f} | {first:.1f} | {phases} | {loss} |"
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {CASES}")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {MODES}")
+    parser.add_argument("--warm", action="store_true", help="fill inductor's caches with one run first")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per case and mode")
+    parser.add_argument("--child", nargs=2, metavar=("CASE", "MODE"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(*args.child)), flush=True)
+        return
+    notes = []
+    modes = args.modes.split(",")
+    if "numpyro" in modes and not numpyro_available():
+        modes.remove("numpyro")
+        notes.append(
+            "NumPyro rows skipped: numpyro, jax or funsor is not importable (pip install -e .[peers])"
+        )
+    print(
+        "| case | method | ms per step | first steps, s | phases of the first steps, s | "
+        "loss at the first step |\n"
+        "|---|---|---:|---:|---|---:|",
+        flush=True,
+    )
+    for case in args.cases.split(","):
+        for mode in modes:
+            if mode == "numpyro" and not case.startswith("hmm"):
+                continue
+            result = run_child(case, mode, args.warm, args.timeout)
+            print(row(case, mode, result), flush=True)
+            notes += [f"{case}, {mode}: {message}" for message in result.get("warnings", [])]
+    print(
+        "\n".join(f"- {note}" for note in ["inductor caches: " + ("warm" if args.warm else "cold")] + notes)
+    )
+
+
+if __name__ == "__main__":
+    main()
