@@ -19,63 +19,43 @@ constrained parameters: the gym's ``identity`` transformation):
   ``--models stochastic_volatility --methods tmc nuts``, about 4 and 6 minutes here);
 - ``item_response_theory``: synthetic 1PL, 400 students x 100 questions, 30,012 answers.
 
-Methods (each trains, then reads means and sds of every gold parameter):
+Methods (each reads means and sds of every gold parameter):
 
-- ``tmc``: ``SVI`` with :class:`pyro_tmc.TMC_ELBO` (training K) and an ``AutoNormal`` guide, then
-  :func:`pyro_tmc.infer.posterior_moments`: the TMC marginals of ``--draws`` independent draws at a
-  larger read-out K, each weighted by its ``P_TMC``. The posterior comes from the marginals, not the guide.
-  Two models have their own guide (:data:`TAILORED_TMC`): the unknown-scales Brownian motion is read
-  with Student-t proposals for the scales, and item response theory proposes the mean ability and
-  the difficulties jointly, from a low-rank Normal trained with DReGs gradients.
-- ``tmc_rws``: the same with :class:`pyro_tmc.TMC_RWS` (wake-phi guide updates).
+- ``tmc``: the one call, :func:`pyro_tmc.infer.fit_posterior` (an ``AutoNormal`` trained with
+  ``TMC_ELBO``, rounds of adaptation of the library's :class:`~pyro_tmc.infer.AdaptiveProposal`, then
+  a pooled read-out), with one set of options for every model (:data:`FIT`): no model-specific code.
+  Run on every seed of ``--seeds`` (default 0, 1, 2); its row carries fit_posterior's k-hat.
+- ``tmc_rws``: ``SVI`` with :class:`pyro_tmc.TMC_RWS` on a mean-field guide, read out by
+  :func:`pyro_tmc.infer.posterior_moments` (no adaptation): a baseline.
 - ``qem``: :class:`pyro_tmc.QEM` on a :class:`pyro_tmc.QEMGuide`, the same read-out.
 - ``iwae``: ``SVI`` with :class:`pyro_tmc.IWAE_ELBO`, read out by its own self-normalised importance
   sampler (``posterior_moments`` of an ``IWAE_ELBO`` at the read-out K: K joint samples per draw).
-- ``nuts``: Pyro's ``NUTS`` (a short chain; its time includes warm-up).
+- ``nuts``: Pyro's ``NUTS`` (``jit_compile``; its time includes warm-up), its error logged at 10, 20,
+  40, ... draws: NUTS's error against time from one chain, which the table reads to say how long NUTS
+  took to reach each row's error. On stochastic volatility it runs :mod:`gold_chain`'s form of the
+  model (the log volatilities one vector site, the same density).
 - ``autonormal``, ``autolowrank``, ``automvn``: ``SVI`` with ``Trace_ELBO`` and Pyro's ``AutoNormal``,
   ``AutoLowRankMultivariateNormal`` and ``AutoMultivariateNormal`` (Adam, its step decayed 10x over
   the run); moments of 4,000 guide draws.
 
-On the stochastic volatility models, ``tmc`` and ``nuts`` run :mod:`gold_chain`'s forms of the
-model, of the same density: for TMC the days in ``vectorized_markov`` (a log-depth chain product,
-no Python per day) with the three globals one particle group (K^3 per link, not K^5); for NUTS the
-log volatilities one vector site. On the 100 days the TMC read-out is adaptive
-(:func:`gold_chain.adapt_proposal`): a few rounds of TMC draws move the globals' proposal (a
-Student-t with the posterior's covariance) and the days' onto the TMC-weighted posterior, undoing
-the bound's bias on the globals, before the draws that are read. ``--timeline FILE`` logs their
-error at several numbers of read-out draws (NUTS draws) against wall and CPU time: error against
-time from one run.
-
 Metrics, over every dimension of every gold parameter: the posterior-mean error in gold sds,
 ``|mean - gold mean| / gold sd`` (average and worst dim), and the sd ratio ``sd / gold sd``
 (average of ``|ratio - 1|``, worst ``|ratio - 1|``, and the range); wall time (training and read-out;
-1 torch thread). Targets (issue 20): mean error 0.02 on average and 0.1 worst; sds within 3% on
-average and 10% worst. The gold's own Monte Carlo error is about 0.003 gold sd.
+1 torch thread). Targets (issue 44): mean error 0.02 on average and 0.1 worst; sds within 3% on
+average and 10% worst. The gold's own Monte Carlo error is about 0.003 gold sd. Where the gym's gold
+is off (the unknown-scales Brownian motion), rows also score against the exact posterior
+(:func:`brownian_motion_exact_moments`).
 
 The table (``--out``, default ``benchmarks/results/gold.md``) is rewritten after every (model, method), so a
 killed run keeps its rows; the plot of error against wall time goes to ``--figure``
 (default ``docs/figures/gold.png``; ``--plot-only`` redraws it from the table).
 
-Measured (2026-11-26, this 2-core CPU shared with other jobs, 1 thread, seed 0; times are rough),
-the ``tmc`` rows; every row, and why the misses miss, are in the archived work log
-(``benchmarks/HISTORY.md``, section "Issue 20"):
-
-| model | read-out | time (s) | mean err. avg / worst | abs(sd ratio - 1) avg / worst | targets |
-| --- | --- | --- | --- | --- | --- |
-| brownian_motion | K 512 x 20 | 67 | 0.009 / 0.029 | 0.007 / 0.015 | all met |
-| brownian_motion_unknown_scales | K 32 x 400 | 83 | 0.065 / 0.270 | 0.049 / 0.165 | missed (*) |
-| eight_schools | K 256 x 20 | 93 | 0.017 / 0.045 | 0.012 / 0.047 | all met |
-| stochastic_volatility_small | adapted; K 32 x 300 | 133 | 0.019 / 0.065 | 0.011 / 0.058 | all met |
-| stochastic_volatility (2,516 days) | K 16 x 40 | 216 | 0.314 / 7.465 | 0.301 / 0.566 | missed |
-| item_response_theory | K 64 x 80 | 435 | 0.015 / 0.058 | 0.011 / 0.053 | all met |
-
-(*) The gym's gold for this model is off: the exact posterior (:func:`brownian_motion_exact_moments`)
-scores 0.061 / 0.261 and 0.046 / 0.155 against it. Against the exact posterior this row scores
-0.010 / 0.026 and 0.007 / 0.021: every target met.
+The current figures, with the command that reproduces them, are in ``docs/posterior.md``.
 """
 
 import argparse
 import importlib
+import json
 import math
 import os
 import sys
@@ -101,7 +81,7 @@ from pyro.infer.autoguide import (
 )
 
 from pyro_tmc import IWAE_ELBO, QEM, TMC_ELBO, TMC_RWS, QEMGuide
-from pyro_tmc.infer import posterior_moments
+from pyro_tmc.infer import fit_posterior, posterior_moments
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gold_chain  # noqa: E402  (beside this file: the chain models' fast forms)
@@ -220,7 +200,8 @@ class Problem(NamedTuple):
     init: dict[
         str, float
     ] = {}  # data-informed starting values (else 0 unconstrained, Pyro's init_to_feasible)
-    fast_chain: bool = False  # tmc and nuts run gold_chain.py's forms of the model (stochastic volatility)
+    fast_chain: bool = False  # nuts runs gold_chain.py's form of the model (stochastic volatility)
+    exact: Optional[Callable] = None  # the exact posterior's moments where the gym's gold is off
 
     def init_loc_fn(self, site: dict) -> torch.Tensor:
         """
@@ -254,7 +235,10 @@ def brownian_motion_problem(unknown_scales: bool = False) -> Problem:
         "locs": locs,
     }
     init.update(innovation_noise_scale=0.1, observation_noise_scale=0.1)
-    return Problem(brownian_motion_unknown_scales_model, (observed,), 0, gold, sites, tuple(locs), init)
+    exact = lambda: brownian_motion_exact_moments(observed)  # noqa: E731
+    return Problem(
+        brownian_motion_unknown_scales_model, (observed,), 0, gold, sites, tuple(locs), init, exact=exact
+    )
 
 
 def eight_schools_problem() -> Problem:
@@ -321,7 +305,9 @@ DEFAULT_MODELS = [
 
 
 class Settings(NamedTuple):
-    steps: int  # SVI / QEM steps of the TMC methods
+    """The baselines' budgets per model (``tmc`` takes :data:`FIT`, the same for every model)."""
+
+    steps: int  # SVI / QEM steps of the trained baselines (tmc_rws, qem, iwae)
     lr: float  # Adam's step for SVI (TMC, IWAE), QEM's moving-average step is qem_lr
     train_k: int  # K in training
     read_k: int  # K of the read-out
@@ -330,37 +316,40 @@ class Settings(NamedTuple):
     nuts_warmup: int
     nuts_samples: int
     qem_lr: float = 0.1
-    # the chain models' fast forms (gold_chain.py): the globals' read-out K (None: read_k), a factor
-    # on their trained scales in the read-out, and how the read-out's draws are pooled
-    global_k: Optional[int] = None
-    widen: float = 1.0
-    weighting: str = "evidence"
-    adapt_rounds: int = 0  # rounds of gold_chain.adapt_proposal before the read-out
+    fit: Optional[dict] = None  # fit_posterior's options for ``tmc`` (None: FIT, the same for every model)
 
+
+#: ``tmc``: :func:`pyro_tmc.infer.fit_posterior`'s options, one set for every model. No joint draws are
+#: kept (``samples_per_draw=0``): the table scores moments, and a joint draw costs a contraction per site.
+FIT = dict(samples_per_draw=0)
+#: ``--quick``: a smoke run of the same call
+FIT_QUICK = dict(
+    num_steps=30,
+    num_samples=8,
+    adapt_rounds=1,
+    adapt_draws=4,
+    adapt_samples=16,
+    readout_samples=16,
+    num_draws=8,
+    samples_per_draw=0,
+)
 
 SETTINGS = {
-    "brownian_motion": Settings(1000, 0.03, 16, 512, 20, 1500, 200, 300),
-    # the scales' tails: Student-t read-out proposals, many draws (run_tmc_unknown_scales)
-    "brownian_motion_unknown_scales": Settings(800, 0.03, 16, 32, 400, 1500, 200, 300),
-    "eight_schools": Settings(1000, 0.03, 64, 256, 20, 1500, 200, 300),
-    # tmc and nuts run gold_chain.py's forms here: the globals one particle group, so a link is K^3
-    # the 100 days: the globals' proposal moved onto the TMC posterior in 4 rounds, then many draws
-    "stochastic_volatility_small": Settings(
-        300, 0.03, 8, 32, 300, 1000, 100, 100, global_k=16, widen=1.5, adapt_rounds=4
-    ),
-    "stochastic_volatility": Settings(200, 0.1, 8, 16, 40, 1000, 150, 1000, weighting="uniform"),
-    # the globals as one vector: a settled low-rank proposal, IRT_GLOBAL_K of it (run_tmc_item_response)
-    "item_response_theory": Settings(1500, 0.05, 8, 64, 80, 1000, 100, 100),
+    "brownian_motion": Settings(1000, 0.03, 16, 512, 20, 1500, 200, 1000),
+    "brownian_motion_unknown_scales": Settings(800, 0.03, 16, 64, 60, 1500, 200, 1000),
+    "eight_schools": Settings(1000, 0.03, 64, 256, 20, 1500, 200, 2000),
+    "stochastic_volatility_small": Settings(800, 0.03, 4, 12, 20, 1000, 100, 1000),
+    "stochastic_volatility": Settings(200, 0.1, 8, 16, 40, 1000, 150, 1000),
+    "item_response_theory": Settings(100, 0.05, 4, 16, 10, 1000, 100, 500),
 }
 #: ``--quick``: a smoke run, seconds per (model, method)
 QUICK = {
-    "brownian_motion": Settings(150, 0.05, 8, 64, 8, 300, 30, 30, qem_lr=0.2),
-    "brownian_motion_unknown_scales": Settings(150, 0.05, 8, 64, 8, 300, 30, 30, qem_lr=0.2),
-    "eight_schools": Settings(150, 0.05, 16, 64, 8, 300, 30, 30, qem_lr=0.2),
-    "stochastic_volatility_small": Settings(30, 0.05, 4, 6, 4, 100, 10, 10, qem_lr=0.2, adapt_rounds=1),
-    "stochastic_volatility": Settings(5, 0.05, 2, 2, 2, 20, 5, 5, qem_lr=0.2),
-    "item_response_theory": Settings(10, 0.05, 4, 8, 4, 50, 5, 5, qem_lr=0.2),
+    name: Settings(150, 0.05, 8, 64, 8, 300, 30, 30, qem_lr=0.2, fit=FIT_QUICK)
+    for name in ("brownian_motion", "brownian_motion_unknown_scales", "eight_schools")
 }
+QUICK["stochastic_volatility_small"] = Settings(30, 0.05, 4, 6, 4, 100, 10, 10, qem_lr=0.2, fit=FIT_QUICK)
+QUICK["stochastic_volatility"] = Settings(5, 0.05, 2, 2, 2, 20, 5, 5, qem_lr=0.2, fit=FIT_QUICK)
+QUICK["item_response_theory"] = Settings(10, 0.05, 4, 8, 4, 50, 5, 5, qem_lr=0.2, fit=FIT_QUICK)
 
 
 # -- methods: each returns {gym parameter: (means, sds)} as flat numpy arrays ---------------------
@@ -462,9 +451,8 @@ def train_svi(problem: Problem, guide, loss, steps: int, lr: float, progress, de
     return value
 
 
-def run_tmc(problem: Problem, settings: Settings, progress, loss=TMC_ELBO):
-    if loss is TMC_ELBO and problem.model in TAILORED_TMC:
-        return TAILORED_TMC[problem.model](problem, settings, progress)
+def run_trained_readout(problem: Problem, settings: Settings, progress, loss):
+    """A baseline: train a :class:`MeanFieldGuide` by ``loss``, read it out (no adaptation)."""
     guide = MeanFieldGuide(problem)
     train_loss = loss(num_samples=settings.train_k, max_plate_nesting=problem.max_plate_nesting)
     train_svi(problem, guide, train_loss, settings.steps, settings.lr, progress)
@@ -472,16 +460,32 @@ def run_tmc(problem: Problem, settings: Settings, progress, loss=TMC_ELBO):
     return tmc_readout(problem, guide, settings, readout_loss)
 
 
-# -- tailored TMC recipes: the unknown-scales Brownian motion and item response theory ------------
-#
-# The plain recipe (run_tmc: a mean-field Normal guide, then posterior_moments) misses these two.
-# Each entry of TAILORED_TMC replaces it for the ``tmc`` method of one model; the other methods
-# keep the plain guide, so their rows stay comparable.
+def run_fit_posterior(problem: Problem, settings: Settings, progress):
+    """
+    ``tmc``: the one call, :func:`pyro_tmc.infer.fit_posterior`, with the same options for every model
+    (:data:`FIT`). Its ``AutoNormal`` starts at the problem's starting values, as NUTS does.
+    """
+    guide = AutoNormal(problem.model, init_loc_fn=problem.init_loc_fn)
+    options = FIT if settings.fit is None else settings.fit
+    posterior = fit_posterior(
+        problem.model,
+        *problem.args,
+        guide=guide,
+        max_plate_nesting=problem.max_plate_nesting,
+        progress=progress is not _silent,
+        **options,
+    )
+    moments = {name: (site.mean, site.stddev) for name, site in posterior.moments.items()}
+    diagnostics = posterior.diagnostics(warn=False)
+    worst = max(diagnostics.site_khat, key=diagnostics.site_khat.get)
+    note = (
+        f"k-hat {diagnostics.khat:.2f} (worst site {worst}: {diagnostics.site_khat[worst]:.2f}; "
+        f"draws {diagnostics.khat_draws:.2f}); eff. draws {diagnostics.effective_draws:.1f}"
+    )
+    return site_moments_to_gym(problem, moments), note, {"khat": diagnostics.khat}
 
-#: Student-t degrees of freedom of the unknown scales' read-out proposals, in log space
-SCALE_PROPOSAL_DF = 4.0
-#: particles of item response theory's globals (mean ability and difficulties, one vector) per read-out draw
-IRT_GLOBAL_K = 64
+
+# -- the exact posterior where the gold is off ------------------------------------------------
 
 
 def brownian_motion_exact_moments(observed: torch.Tensor, log_scales: Optional[Sequence[np.ndarray]] = None):
@@ -544,127 +548,6 @@ def brownian_motion_exact_moments(observed: torch.Tensor, log_scales: Optional[S
     return moments
 
 
-class HeavyTailedScalesGuide(MeanFieldGuide):
-    """
-    :class:`MeanFieldGuide` whose named unplated sites' proposals can be switched to Student-t in
-    the unconstrained (here log) space, with the same location and scale parameters. The
-    observation scale's posterior has a long tail towards 0 (the locs pinned at the observations:
-    4% of its mass lies below 0.04), which the LogNormal proposal fitted near its mode (sd 0.28 in
-    log space) does not reach. Trained as Normals and read as Student-t: trained as Student-t, the
-    scale parameters grow (0.79 for the observation scale) and the read-out's error doubles.
-
-    :param Problem problem: the model, its data and its chain sites.
-    :param heavy_sites: the sites whose proposals ``df`` makes Student-t.
-    :param float df: their degrees of freedom; ``None``: Normal, as :class:`MeanFieldGuide`.
-    """
-
-    def __init__(self, problem: "Problem", heavy_sites: Sequence[str], df: Optional[float] = None) -> None:
-        super().__init__(problem)
-        self.heavy_sites, self.df = set(heavy_sites), df
-
-    def _sample(self, name: str, plates: dict, num_samples: Optional[int] = None) -> None:
-        transform, frames, start, event_dim = self.sites[name]
-        if self.df is None or name not in self.heavy_sites or frames or event_dim:
-            return super()._sample(name, plates, num_samples)
-        loc = pyro.param(f"mean_field.{name}.loc", start.clone())
-        start_scale = torch.full_like(start, self.init_scale)
-        scale = pyro.param(f"mean_field.{name}.scale", start_scale, constraint=constraints.positive)
-        pyro.sample(name, dist.TransformedDistribution(dist.StudentT(self.df, loc, scale), transform))
-        return None
-
-
-def run_tmc_unknown_scales(problem: Problem, settings: Settings, progress):
-    """
-    Brownian motion, unknown scales: the plain recipe, then a read-out whose proposals for the two
-    scales are Student-t (:class:`HeavyTailedScalesGuide`), at a moderate K (K^3 per link: the
-    chain's two locs and the innovation scale) from many draws, since the scales' Monte Carlo error
-    decides. The note adds the error against the exact posterior (:func:`brownian_motion_exact_moments`).
-    """
-    scales = ("innovation_noise_scale", "observation_noise_scale")
-    guide = HeavyTailedScalesGuide(problem, scales)
-    train_loss = TMC_ELBO(num_samples=settings.train_k, max_plate_nesting=problem.max_plate_nesting)
-    train_svi(problem, guide, train_loss, settings.steps, settings.lr, progress)
-    guide.df = SCALE_PROPOSAL_DF
-    estimate, note = tmc_readout(problem, guide, settings)
-    exact = errors(problem._replace(gold=brownian_motion_exact_moments(problem.args[0])), estimate)
-    note += (
-        f"; log-t{SCALE_PROPOSAL_DF:.0f} scales; vs exact: {exact['mean_error']:.3f} / "
-        f"{exact['mean_error_worst']:.3f}, sd {exact['sd_error']:.3f} / {exact['sd_error_worst']:.3f}"
-    )
-    return estimate, note
-
-
-class JointGlobalsGuide:
-    """
-    Item response theory's guide for TMC: the mean ability and the 100 difficulties as one
-    101-dimensional auxiliary site, a low-rank plus diagonal Normal, unpacked by ``Delta`` sites
-    (which take its particle dim, as AutoGuides' constrained values do); a mean-field Normal per
-    student in the students plate.
-
-    Students and questions are crossed plates, so the difficulties cannot be a plate of their own
-    under TMC: they are one vector, drawn jointly K times, and TMC's read-out is importance
-    sampling of that vector (the abilities are summed exactly, student by student, for each of its
-    particles). A mean-field proposal misses the direction in which the mean ability and every
-    difficulty shift together (the logits see only their difference): the trained guide correlates
-    them at about 0.5, which a mean-field proposal would miss at a cost of tens of nats over 100
-    questions. The low-rank factor holds that direction.
-
-    :param int num_questions: the difficulties' length.
-    :param int num_students: the abilities' plate size.
-    :param int rank: the low-rank factor's rank.
-    :param int global_k: the globals' particles (``None``: the loss's K).
-    """
-
-    def __init__(self, num_questions: int, num_students: int, rank: int = 2, global_k: Optional[int] = None):
-        self.num_questions, self.num_students = num_questions, num_students
-        self.rank, self.global_k = rank, global_k
-
-    def __call__(self, correct: torch.Tensor, mask: torch.Tensor) -> None:
-        size = self.num_questions + 1
-        loc = pyro.param("joint_globals.loc", torch.cat([torch.full((1,), 0.75), torch.zeros(size - 1)]))
-        cov_factor = pyro.param("joint_globals.cov_factor", torch.full((size, self.rank), 0.01))
-        start_diag = torch.full((size,), 0.01)  # sd 0.1: near the posterior's 0.11-0.24
-        cov_diag = pyro.param("joint_globals.cov_diag", start_diag, constraint=constraints.positive)
-        infer = {"is_auxiliary": True}
-        if self.global_k:
-            infer["num_samples"] = self.global_k
-        joint = pyro.sample("globals", dist.LowRankMultivariateNormal(loc, cov_factor, cov_diag), infer=infer)
-        pyro.sample("mean_student_ability", dist.Delta(joint[..., 0]))
-        pyro.sample("question_difficulty", dist.Delta(joint[..., 1:], event_dim=1))
-        ability_loc = pyro.param("abilities.loc", torch.zeros(self.num_students))
-        ability_scale = pyro.param(
-            "abilities.scale", torch.full((self.num_students,), 0.3), constraint=constraints.positive
-        )
-        with pyro.plate("students", self.num_students, dim=-1):
-            pyro.sample("centered_student_ability", dist.Normal(ability_loc, ability_scale))
-
-
-def run_tmc_item_response(problem: Problem, settings: Settings, progress):
-    """
-    Item response theory: :class:`JointGlobalsGuide`, trained with DReGs gradients (the proposal must
-    be close in all 101 dims for importance sampling to keep its particles, and DReGs' proposal
-    gradient keeps its signal as the proposal improves) and Adam decayed 20x, which settles the
-    guide. Read out with :data:`IRT_GLOBAL_K` particles of the globals and the read-out K per student.
-    """
-    correct, _ = problem.args
-    num_students, num_questions = correct.shape
-    guide = JointGlobalsGuide(num_questions, num_students)
-    train_loss = TMC_ELBO(
-        num_samples=settings.train_k, max_plate_nesting=problem.max_plate_nesting, variance_reduction="dregs"
-    )
-    train_svi(problem, guide, train_loss, settings.steps, settings.lr, progress, decay=0.05)
-    guide.global_k = IRT_GLOBAL_K
-    estimate, note = tmc_readout(problem, guide, settings)
-    return estimate, note + f"; joint globals (low-rank Normal), K {IRT_GLOBAL_K}"
-
-
-#: model -> its ``tmc`` recipe where the plain one (:func:`run_tmc`) misses
-TAILORED_TMC = {
-    brownian_motion_unknown_scales_model: run_tmc_unknown_scales,
-    item_response_theory_model: run_tmc_item_response,
-}
-
-
 def run_qem(problem: Problem, settings: Settings, progress):
     # HalfCauchy's support is [0, inf), which QEM's default does not map to a family: LogNormal
     guide = QEMGuide(problem.model, families={"white_noise_shock_scale": "LogNormal"})
@@ -681,6 +564,9 @@ def run_qem(problem: Problem, settings: Settings, progress):
 
 
 def run_nuts(problem: Problem, settings: Settings, progress):
+    """Pyro's NUTS (``jit_compile``), its error logged at :data:`CHECKPOINTS` (:class:`NutsTimeline`)."""
+    warmup, draws = settings.nuts_warmup, settings.nuts_samples
+    timeline = NutsTimeline(problem, [*CHECKPOINTS, draws], warmup)
     kernel = NUTS(
         problem.model,
         max_plate_nesting=problem.max_plate_nesting,
@@ -688,10 +574,10 @@ def run_nuts(problem: Problem, settings: Settings, progress):
         jit_compile=True,  # Pyro's fastest NUTS on CPU
         ignore_jit_warnings=True,
     )
-    draws, warmup = settings.nuts_samples, settings.nuts_warmup
-    mcmc = MCMC(kernel, num_samples=draws, warmup_steps=warmup, disable_progbar=progress is _silent)
-    mcmc.run(*problem.args)
-    return samples_to_gym(problem, mcmc.get_samples()), f"{warmup}+{draws} draws"
+    MCMC(kernel, num_samples=draws, warmup_steps=warmup, hook_fn=timeline, disable_progbar=True).run(
+        *problem.args
+    )
+    return timeline.estimate(), f"{warmup}+{draws} draws", {"timeline": timeline.rows}
 
 
 def run_autoguide(problem: Problem, settings: Settings, progress, guide_class, **guide_options):
@@ -706,46 +592,92 @@ def run_autoguide(problem: Problem, settings: Settings, progress, guide_class, *
     return samples_to_gym(problem, samples), "4000 guide draws"
 
 
-#: TMC read-out draws and NUTS post-warm-up draws at which the chain forms log their error (--timeline)
-CHECKPOINTS = (5, 10, 20, 40, 80, 160, 320, 640)
+#: NUTS post-warm-up draws at which its error is logged: error against time from one chain
+CHECKPOINTS = (10, 20, 40, 80, 160, 320, 640, 1280)
 
 
-def run_chain_tmc(problem: Problem, settings: Settings, progress, timeline: Optional[str] = None):
-    """``tmc`` on a ``fast_chain`` problem: :func:`gold_chain.run_tmc` (``vectorized_markov``)."""
-    estimate, rows = gold_chain.run_tmc(
-        problem,
-        settings,
-        CHECKPOINTS,
-        score=lambda estimate: errors(problem, estimate),
-        to_gym=lambda sites: site_moments_to_gym(problem, sites),
-        path=timeline,
-        progress=progress,
-    )
-    (last,) = [
-        row for row in rows if row["draws"] == settings.draws and row["weighting"] == settings.weighting
-    ]
-    return (
-        estimate,
-        f"{settings.weighting} weights, eff. draws {last['effective_draws']:.1f}; vectorized_markov",
-    )
+class NutsTimeline:
+    """
+    A ``hook_fn`` for Pyro's ``MCMC`` that keeps running moments of the constrained draws after warm-up
+    and, at each checkpoint (a number of draws), logs the wall time since the start and the errors
+    against the gold: error against time from one chain.
+
+    :param Problem problem: the model and its gold.
+    :param checkpoints: numbers of post-warm-up draws at which to log.
+    :param int warmup: warm-up draws (for the rows).
+    :param to_sites: the NUTS model's moments -> the problem's sites' (default: the same sites).
+    """
+
+    def __init__(self, problem: Problem, checkpoints: Sequence[int], warmup: int, to_sites=None) -> None:
+        self.problem, self.checkpoints, self.warmup = problem, set(checkpoints), warmup
+        self.to_sites = to_sites or (lambda moments: moments)
+        self.start = time.perf_counter()
+        self.count, self.sums = 0, {}
+        self.rows: list[dict] = []
+
+    def __call__(self, kernel, params: dict[str, torch.Tensor], stage: str, i: int) -> None:
+        if stage.startswith("Warmup"):
+            return
+        self.count += 1
+        for name, value in params.items():
+            if name in kernel.transforms:
+                value = kernel.transforms[name].inv(value)
+            value = value.detach().double().reshape(-1)
+            first, second = self.sums.get(name, (0.0, 0.0))
+            self.sums[name] = (first + value, second + value.square())
+        if self.count in self.checkpoints:
+            row = dict(errors(self.problem, self.estimate()), draws=self.count, warmup=self.warmup)
+            self.rows.append(dict(row, seconds=time.perf_counter() - self.start))
+
+    def moments(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Site -> (mean, sd) of the draws so far (the sd with Bessel's correction)."""
+        result = {}
+        for name, (first, second) in self.sums.items():
+            mean = first / self.count
+            variance = (
+                (second / self.count - mean.square()).clamp(min=0.0) * self.count / max(self.count - 1, 1)
+            )
+            result[name] = (mean, variance.sqrt())
+        return self.to_sites(result)
+
+    def estimate(self):
+        """The gym estimate from the draws so far."""
+        return site_moments_to_gym(self.problem, self.moments())
 
 
-def run_chain_nuts(problem: Problem, settings: Settings, progress, timeline: Optional[str] = None):
-    """``nuts`` on a ``fast_chain`` problem: :func:`gold_chain.run_nuts` (the log volatilities one site)."""
+def run_chain_nuts(problem: Problem, settings: Settings, progress):
+    """``nuts`` on a ``fast_chain`` problem: :func:`gold_chain.nuts_model` (the log volatilities one site)."""
+    (returns,) = problem.args
     warmup, draws = settings.nuts_warmup, settings.nuts_samples
-    score = lambda estimate: errors(problem, estimate)  # noqa: E731
-    estimate, _ = gold_chain.run_nuts(problem, warmup, draws, CHECKPOINTS, score, path=timeline)
-    return estimate, f"{warmup}+{draws} draws; one vector site"
+    chain = gold_chain.CHAIN
+
+    def init_loc_fn(site: dict) -> torch.Tensor:
+        if site["name"] == chain:
+            return torch.full((len(returns),), float(problem.init[f"{chain}_0"]))
+        return torch.tensor(float(problem.init[site["name"]]))
+
+    def per_day(moments):
+        sites = {name: moments[name] for name in gold_chain.GLOBALS}
+        mean, sd = moments[chain]
+        sites.update({f"{chain}_{t}": (mean[t : t + 1], sd[t : t + 1]) for t in range(len(returns))})
+        return sites
+
+    timeline = NutsTimeline(problem, [*CHECKPOINTS, draws], warmup, to_sites=per_day)
+    kernel = NUTS(
+        gold_chain.nuts_model, init_strategy=init_loc_fn, jit_compile=True, ignore_jit_warnings=True
+    )
+    MCMC(kernel, num_samples=draws, warmup_steps=warmup, hook_fn=timeline, disable_progbar=True).run(returns)
+    return timeline.estimate(), f"{warmup}+{draws} draws; one vector site", {"timeline": timeline.rows}
 
 
-#: the methods that run a ``fast_chain`` problem's own forms of its model
-CHAIN_METHODS = {"tmc": run_chain_tmc, "nuts": run_chain_nuts}
+#: the methods that run a ``fast_chain`` problem's own form of its model (NUTS: one vector site)
+CHAIN_METHODS = {"nuts": run_chain_nuts}
 
 METHODS = {
-    "tmc": run_tmc,
-    "tmc_rws": lambda p, s, g: run_tmc(p, s, g, loss=TMC_RWS),
+    "tmc": run_fit_posterior,
+    "tmc_rws": lambda p, s, g: run_trained_readout(p, s, g, loss=TMC_RWS),
     "qem": run_qem,
-    "iwae": lambda p, s, g: run_tmc(p, s, g, loss=IWAE_ELBO),
+    "iwae": lambda p, s, g: run_trained_readout(p, s, g, loss=IWAE_ELBO),
     "nuts": run_nuts,
     "autonormal": lambda p, s, g: run_autoguide(p, s, g, AutoNormal),
     "autolowrank": lambda p, s, g: run_autoguide(p, s, g, AutoLowRankMultivariateNormal),
@@ -799,72 +731,124 @@ def run(
     """
     Train and read one (model, method); returns its metrics, time and settings.
 
-    :param str timeline: a JSON-lines file that the chain forms (:data:`CHAIN_METHODS`) append their
-        error at each of :data:`CHECKPOINTS` to: error against time from one run.
+    :param str timeline: a JSON-lines file that NUTS appends its error at each of :data:`CHECKPOINTS`
+        to: error against time from one chain.
     """
     problem = PROBLEMS[model]()
     settings = (QUICK if quick else SETTINGS)[model]
     pyro.clear_param_store()
     pyro.set_rng_seed(seed)
     start, cpu_start = time.perf_counter(), time.process_time()
-    if problem.fast_chain and method in CHAIN_METHODS:
-        estimate, note = CHAIN_METHODS[method](problem, settings, progress, timeline)
-        # on a shared machine the process's CPU time is the steadier figure (1 thread: at most the wall)
-        note += f"; CPU {time.process_time() - cpu_start:.0f} s"
-    else:
-        estimate, note = METHODS[method](problem, settings, progress)
+    methods = CHAIN_METHODS if problem.fast_chain and method in CHAIN_METHODS else METHODS
+    estimate, note, *extras = methods[method](problem, settings, progress)
+    extras = extras[0] if extras else {}
     seconds = time.perf_counter() - start
-    row = dict(errors(problem, estimate), model=model, method=method, seconds=seconds, note=note)
+    # on a shared machine the process's CPU time is the steadier figure (1 thread: at most the wall)
+    note += f"; CPU {time.process_time() - cpu_start:.0f} s"
+    row = dict(errors(problem, estimate), model=model, method=method, seed=seed, seconds=seconds, note=note)
     row["setup"] = describe(method, settings)
+    row["khat"] = extras.get("khat", math.nan)
+    if problem.exact is not None:  # the gym's gold is off here: the error against the exact posterior too
+        exact = errors(problem._replace(gold=problem.exact()), estimate)
+        row.update({f"exact_{name}": value for name, value in exact.items()})
+        row["note"] += (
+            f"; vs exact: {exact['mean_error']:.3f} / {exact['mean_error_worst']:.3f}, "
+            f"sd {exact['sd_error']:.3f} / {exact['sd_error_worst']:.3f}"
+        )
+    if timeline and extras.get("timeline"):
+        with open(timeline, "a") as handle:
+            for point in extras["timeline"]:
+                handle.write(json.dumps(dict(point, model=model, method=method, seed=seed)) + "\n")
+    row["timeline"] = extras.get("timeline", [])
     return row
 
 
-def failed_row(model: str, method: str, quick: bool, error: Exception) -> dict:
+def failed_row(model: str, method: str, quick: bool, error: Exception, seed: int = 0) -> dict:
     nan = float("nan")
     message = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:120]}"
-    row = dict.fromkeys(("mean_error", "mean_error_worst", "sd_error", "sd_error_worst"), nan)
+    row = dict.fromkeys(("mean_error", "mean_error_worst", "sd_error", "sd_error_worst", "khat"), nan)
     row.update(sd_ratio_min=nan, sd_ratio_max=nan, seconds=nan, model=model, method=method, note=message)
+    row.update(seed=seed, timeline=[])
     row["setup"] = describe(method, (QUICK if quick else SETTINGS)[model])
     return row
 
 
 def describe(method: str, settings: Settings) -> str:
+    if method == "tmc":
+        options = FIT if settings.fit is None else settings.fit
+        return "fit_posterior(" + ", ".join(f"{key}={value}" for key, value in options.items()) + ")"
     if method == "nuts":
         return f"{settings.nuts_warmup} warm-up + {settings.nuts_samples}"
     if method.startswith("auto"):
         return f"{settings.svi_steps} steps"
     lr = f", lr {settings.qem_lr}" if method == "qem" else ""
-    read = f"read K {settings.read_k} x {settings.draws}"
-    if settings.adapt_rounds:
-        read = f"{settings.adapt_rounds} adaptive rounds; " + read + f" (globals K {settings.global_k})"
-    elif settings.global_k or settings.widen != 1.0:
-        read += f" (globals K {settings.global_k or settings.read_k}, x{settings.widen} wide)"
-    return f"{settings.steps} steps, K {settings.train_k}{lr}; {read}"
+    return f"{settings.steps} steps, K {settings.train_k}{lr}; read K {settings.read_k} x {settings.draws}"
+
+
+def meets_targets(row: dict, prefix: str = "") -> bool:
+    """Whether a row meets every target (:data:`TARGETS`), against the gold or (``exact_``) the exact."""
+    mean, mean_worst = TARGETS["mean_error"]
+    sd, sd_worst = TARGETS["sd_error"]
+    return (
+        row.get(prefix + "mean_error", math.nan) <= mean
+        and row.get(prefix + "mean_error_worst", math.nan) <= mean_worst
+        and row.get(prefix + "sd_error", math.nan) <= sd
+        and row.get(prefix + "sd_error_worst", math.nan) <= sd_worst
+    )
+
+
+def nuts_time_to(row: dict, rows: Sequence[dict]) -> str:
+    """
+    The wall time NUTS (same model, seed 0 or the row's) took to reach ``row``'s average mean error and
+    sd error, from its timeline; ``"> T"`` when its whole run (T s) did not.
+    """
+    timelines = [
+        r for r in rows if r["method"] == "nuts" and r["model"] == row["model"] and r.get("timeline")
+    ]
+    if not timelines or row["method"] == "nuts" or not math.isfinite(row["mean_error"]):
+        return ""
+    timeline = next((r for r in timelines if r["seed"] == row["seed"]), timelines[0])["timeline"]
+    for point in timeline:
+        if point["mean_error"] <= row["mean_error"] and point["sd_error"] <= row["sd_error"]:
+            return f"{point['seconds']:.0f}"
+    return f"> {timeline[-1]['seconds']:.0f}"
 
 
 COLUMNS = (
     "model",
     "method",
+    "seed",
     "setup",
     "time (s)",
+    "NUTS to same error (s)",
     "mean err. avg / worst",
     "abs(sd ratio - 1) avg / worst",
     "sd ratio range",
+    "k-hat",
+    "targets",
     "note",
 )
 
 
-def table(rows: Sequence[dict]) -> str:
+def table(rows: Sequence[dict], all_rows: Optional[Sequence[dict]] = None) -> str:
+    all_rows = rows if all_rows is None else all_rows
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + " --- |" * len(COLUMNS)]
     for row in rows:
+        met = "met" if meets_targets(row) else "missed"
+        if "exact_mean_error" in row:
+            met += "; vs exact: " + ("met" if meets_targets(row, "exact_") else "missed")
         cells = (
             row["model"],
             row["method"],
+            str(row.get("seed", 0)),
             row["setup"],
             f"{row['seconds']:.0f}",
+            nuts_time_to(row, all_rows),
             f"{row['mean_error']:.3f} / {row['mean_error_worst']:.3f}",
             f"{row['sd_error']:.3f} / {row['sd_error_worst']:.3f}",
             f"{row['sd_ratio_min']:.2f}-{row['sd_ratio_max']:.2f}",
+            f"{row['khat']:.2f}" if math.isfinite(row.get("khat", math.nan)) else "",
+            met,
             row["note"],
         )
         lines.append("| " + " | ".join(cells) + " |")
@@ -875,28 +859,53 @@ def write_table(rows: Sequence[dict], path: str, command: str) -> None:
     header = (
         "# Posteriors against Inference Gym's gold (benchmarks/gold.py)\n\n"
         f"`{command}`; 1 torch thread. Mean error in gold sds; targets: mean error 0.02 avg / 0.1 worst, "
-        "abs(sd ratio - 1) 0.03 avg / 0.1 worst.\n\n"
+        'abs(sd ratio - 1) 0.03 avg / 0.1 worst. "NUTS to same error": the wall time at which NUTS\'s '
+        "timeline (its error at 10, 20, 40, ... draws) first reached the row's average mean and sd errors. "
+        "k-hat: the largest Pareto k-hat of fit_posterior's diagnostics (above 0.7: do not trust).\n\n"
     )
     with open(path, "w") as handle:
         handle.write(header + table(rows))
+    timelines = [
+        dict(point, model=row["model"], seed=row["seed"]) for row in rows for point in row["timeline"]
+    ]
+    with open(os.path.splitext(path)[0] + "_nuts_timeline.json", "w") as handle:
+        json.dump(timelines, handle)
 
 
 def read_table(path: str) -> list[dict]:
-    """The rows of a table that :func:`write_table` wrote (model, method, time, average mean error)."""
+    """The rows of a table that :func:`write_table` wrote, with NUTS's timelines beside it."""
     rows = []
     with open(path) as handle:
         for line in handle:
             cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
             if len(cells) == len(COLUMNS) and cells[0] in PROBLEMS and cells[1] in METHODS:
-                mean_error = float(cells[4].split("/")[0])
+                mean_error = float(cells[6].split("/")[0])
+                seconds = float(cells[4])
                 rows.append(
-                    dict(model=cells[0], method=cells[1], seconds=float(cells[3]), mean_error=mean_error)
+                    dict(
+                        model=cells[0],
+                        method=cells[1],
+                        seed=int(cells[2]),
+                        seconds=seconds,
+                        mean_error=mean_error,
+                    )
                 )
+    timeline_path = os.path.splitext(path)[0] + "_nuts_timeline.json"
+    points = []
+    if os.path.exists(timeline_path):
+        with open(timeline_path) as handle:
+            points = json.load(handle)
+    for row in rows:
+        row["timeline"] = [
+            p
+            for p in points
+            if row["method"] == "nuts" and (p["model"], p["seed"]) == (row["model"], row["seed"])
+        ]
     return rows
 
 
 def plot(rows: Sequence[dict], path: str) -> None:
-    """Mean error (average over dims) against wall time, one panel per model, one marker per method."""
+    """Mean error (average over dims) against wall time, one panel per model: NUTS's timeline as a line."""
     try:
         import matplotlib
 
@@ -911,9 +920,16 @@ def plot(rows: Sequence[dict], path: str) -> None:
     fig, axes = plt.subplots(1, len(models), figsize=(3.6 * len(models), 3.4), squeeze=False)
     for ax, model in zip(axes[0], models):
         for row in rows:
-            if row["model"] == model and math.isfinite(row["mean_error"]):
-                method = row["method"]
-                style = dict(marker=markers[method], color=colors[method], label=method)
+            if row["model"] != model or not math.isfinite(row["mean_error"]):
+                continue
+            method = row["method"]
+            style = dict(marker=markers[method], color=colors[method], label=method)
+            if row.get("timeline"):
+                points = row["timeline"]
+                ax.plot(
+                    [p["seconds"] for p in points], [p["mean_error"] for p in points], **style, markersize=3
+                )
+            else:
                 ax.scatter(row["seconds"], row["mean_error"], **style)
         ax.axhline(TARGETS["mean_error"][0], color="black", linestyle="--", linewidth=0.8)
         ax.set(xscale="log", yscale="log", xlabel="wall time (s)", title=model.replace("_", " "))
@@ -941,13 +957,15 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--models", nargs="+", default=DEFAULT_MODELS, choices=sorted(PROBLEMS))
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--quick", action="store_true", help="short training and read-out (a smoke run)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seeds", type=int, nargs="+", default=[0, 1, 2], help="tmc's seeds (the others: the first)"
+    )
     parser.add_argument("--out", default=os.path.join(HERE, "results", "gold.md"), help="the markdown table")
     parser.add_argument("--figure", default=os.path.join(HERE, "..", "docs", "figures", "gold.png"))
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--plot-only", action="store_true", help="redraw --figure from the table at --out")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the targets are stated for 1)")
-    parser.add_argument("--timeline", help="JSON lines: the chain forms' error at each checkpoint, appended")
+    parser.add_argument("--timeline", help="JSON lines: NUTS's error at each checkpoint, appended")
     args = parser.parse_args(argv)
     if args.plot_only:
         plot(read_table(args.out), args.figure)
@@ -958,18 +976,20 @@ def main(argv=None) -> list[dict]:
     rows = []
     for model in args.models:
         for method in args.methods:
-            progress = _silent if args.no_progress else progress_bar(f"{model} {method}")
-            try:
-                row = run(model, method, args.quick, args.seed, progress, args.timeline)
-            except (RuntimeError, ValueError, NotImplementedError, MemoryError) as error:
-                # a method that cannot run a model gets a row saying why; the others still run
-                row = failed_row(model, method, args.quick, error)
-            rows.append(row)
-            print(table([row]).splitlines()[-1], flush=True)
-            if args.out:
-                write_table(rows, args.out, command.strip())
-            if args.figure:
-                plot(rows, args.figure)
+            # the one call on every seed; the baselines (and NUTS's timeline) on the first
+            for seed in args.seeds if method == "tmc" else args.seeds[:1]:
+                progress = _silent if args.no_progress else progress_bar(f"{model} {method} seed {seed}")
+                try:
+                    row = run(model, method, args.quick, seed, progress, args.timeline)
+                except (RuntimeError, ValueError, NotImplementedError, MemoryError) as error:
+                    # a method that cannot run a model gets a row saying why; the others still run
+                    row = failed_row(model, method, args.quick, error, seed)
+                rows.append(row)
+                print(table([row], rows).splitlines()[-1], flush=True)
+                if args.out:
+                    write_table(rows, args.out, command.strip())
+                if args.figure:
+                    plot(rows, args.figure)
     return rows
 
 

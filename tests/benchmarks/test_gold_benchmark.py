@@ -1,14 +1,13 @@
 """benchmarks/gold.py runs its quick path and reads a posterior close to Stan's gold (Inference Gym).
 
-The Brownian motion with missing observations is linear-Gaussian, so TMC's read-out from a briefly
-trained guide lands near the gold. Measured at the quick settings (150 steps at K = 8, a read-out of
-8 draws at K = 64), seeds 0-2: mean error 0.07-0.15 gold sd on average (0.19-0.30 worst), sds off by
-4-5% on average (12-16% worst). The bounds leave room for seeds; the trained guide alone misses them
-(issue 20: 0.79 gold sd, sds 1.9x too wide), and so does a read-out that drops the evidence weights.
+The Brownian motion with missing observations is linear-Gaussian, so fit_posterior at its quick
+settings (30 steps at K = 8, one adaptation round, a read-out of 8 draws at K = 16) lands near the
+gold. Measured, seeds 0-2: mean error 0.10-0.18 gold sd on average (0.29-0.58 worst), sds off by
+8-12% on average (25-40% worst), k-hat 0.70-1.01 (it says: do not trust these). The bounds leave room
+for seeds; the trained guide alone misses them (issue 20: 0.79 gold sd, sds 1.9x too wide).
 """
 
 import importlib.util
-import itertools
 import math
 import sys
 
@@ -34,13 +33,13 @@ def test_quick_tmc_read_out_is_near_the_gold(fresh_pyro, tmp_path):
     pytest.importorskip("inference_gym.targets.ground_truth.brownian_motion_missing_middle_observations")
     benchmark = _load()
     out, figure = tmp_path / "gold.md", tmp_path / "gold.png"
-    argv = ["--quick", "--models", "brownian_motion", "--methods", "tmc", "--no-progress"]
+    argv = ["--quick", "--models", "brownian_motion", "--methods", "tmc", "--seeds", "0", "--no-progress"]
     argv += ["--out", str(out), "--figure", str(figure), "--threads", str(torch.get_num_threads())]
     (row,) = benchmark.main(argv)
     metrics = ("mean_error", "mean_error_worst", "sd_error", "sd_error_worst", "seconds")
     assert all(math.isfinite(row[name]) for name in metrics), row
-    assert row["mean_error"] < 0.25 and row["mean_error_worst"] < 0.5, row
-    assert row["sd_error"] < 0.1 and row["sd_error_worst"] < 0.3, row
+    assert row["mean_error"] < 0.25 and row["mean_error_worst"] < 0.7, row
+    assert row["sd_error"] < 0.15 and row["sd_error_worst"] < 0.5, row
     assert "| brownian_motion | tmc |" in out.read_text()
 
 
@@ -100,90 +99,72 @@ def test_exact_unknown_scales_moments_condition_the_gaussian(fresh_pyro):
     assert 0.05 < gap["mean_error"] < 0.07 and 0.25 < gap["mean_error_worst"] < 0.27, gap
 
 
-def test_quick_tailored_tmc_recipes_run(fresh_pyro, tmp_path):
+def test_quick_one_call_notes_the_exact_error_and_k_hat(fresh_pyro, tmp_path):
     """
-    The two tailored ``tmc`` recipes run end to end at the quick settings: the unknown-scales one
-    notes its error against the exact posterior, the item-response one reads 64 particles of the
-    globals (one low-rank Normal, unpacked by Delta sites) with the abilities in their plate.
+    ``tmc`` is fit_posterior alone: on the unknown-scales Brownian motion (whose gym gold is off) its row
+    also scores against the exact posterior, and carries fit_posterior's k-hat.
     """
-    pytest.importorskip("inference_gym.targets.ground_truth.synthetic_item_response_theory")
+    pytest.importorskip(
+        "inference_gym.targets.ground_truth.brownian_motion_unknown_scales_missing_middle_observations"
+    )
     benchmark = _load()
-    argv = ["--quick", "--models", "brownian_motion_unknown_scales", "item_response_theory"]
-    argv += ["--methods", "tmc", "--no-progress", "--out", str(tmp_path / "gold.md"), "--figure", ""]
-    scales, item_response = benchmark.main(argv + ["--threads", str(torch.get_num_threads())])
-    for row in (scales, item_response):
-        assert math.isfinite(row["mean_error"]) and math.isfinite(row["sd_error_worst"]), row
-    assert "vs exact" in scales["note"] and "joint globals" in item_response["note"]
+    assert not hasattr(benchmark, "TAILORED_TMC")
+    argv = ["--quick", "--models", "brownian_motion_unknown_scales", "--methods", "tmc", "--seeds", "0"]
+    argv += ["--no-progress", "--out", str(tmp_path / "gold.md"), "--figure", ""]
+    (row,) = benchmark.main(argv + ["--threads", str(torch.get_num_threads())])
+    assert math.isfinite(row["mean_error"]) and math.isfinite(row["exact_mean_error"]), row
+    assert "vs exact" in row["note"] and math.isfinite(row["khat"]), row
+    assert "fit_posterior(" in row["setup"]
 
 
-def _per_day_log_density(problem, values):
-    """log p(values, returns) of the per-day (pyro.markov) model, the gym's definition as written."""
-    conditioned = pyro.poutine.condition(problem.model, data=values)
-    return pyro.poutine.trace(conditioned).get_trace(*problem.args).log_prob_sum()
-
-
-def test_chain_forms_score_the_per_day_density(fresh_pyro):
-    """
-    gold_chain.py's two fast forms of stochastic volatility have the per-day model's density, exactly:
-    the NUTS form at any values, and the vectorized_markov form through its TMC estimate on 3 days at
-    K = 2, against the brute-force sum over all 2 (grouped globals) x 2^3 (days) particle combinations.
-    """
+def test_nuts_form_scores_the_per_day_density(fresh_pyro):
+    """gold_chain.nuts_model (the log volatilities one vector site) has the per-day model's density."""
     pytest.importorskip("inference_gym.targets.ground_truth.stochastic_volatility_sp500_small")
     benchmark = _load()
     chain = benchmark.gold_chain
-    torch.set_default_dtype(torch.float64)
-    try:
-        problem = benchmark.stochastic_volatility_problem(100)
-        returns = problem.args[0][-3:].double()
-        problem = problem._replace(args=(returns,))
-        init = {name: problem.init[name] for name in chain.GLOBALS}
-        init[chain.CHAIN] = problem.init["log_volatility_0"]
-        guide = chain.ChainGuide(init, len(returns), init_scale=0.3)
-        pyro.set_rng_seed(0)
-        draw = benchmark.TMC_ELBO(num_samples=2, max_plate_nesting=1).draw(
-            chain.vectorized_model, guide, returns
-        )
-        nodes = draw.guide_trace.nodes
-        # particles (K, days): day 0's, then the later days' (the guide's time dim is the last)
-        later = nodes[f"log_volatility_{slice(1, 3)}"]["value"].reshape(2, 2)
-        days = torch.cat([nodes["log_volatility_0"]["value"].reshape(2, 1), later], 1)
-        log_q_days = torch.cat(
-            [
-                nodes["log_volatility_0"]["fn"].log_prob(nodes["log_volatility_0"]["value"]).reshape(2, 1),
-                nodes[f"log_volatility_{slice(1, 3)}"]["fn"]
-                .log_prob(nodes[f"log_volatility_{slice(1, 3)}"]["value"])
-                .reshape(2, 2),
-            ],
-            1,
-        )
-        terms = []
-        for g, path in itertools.product(range(2), itertools.product(range(2), repeat=3)):
-            values = {name: nodes[name]["value"].reshape(-1)[g] for name in chain.GLOBALS}
-            values.update({f"log_volatility_{t}": days[k, t] for t, k in enumerate(path)})
-            log_q = sum(
-                nodes[name]["fn"].log_prob(nodes[name]["value"]).reshape(-1)[g] for name in chain.GLOBALS
-            )
-            log_q = log_q + sum(log_q_days[k, t] for t, k in enumerate(path))
-            terms.append(_per_day_log_density(problem, values) - log_q)
-            if g == 0 and path == (0, 1, 1):  # the NUTS form, at one of these values
-                nuts_values = {name: values[name] for name in chain.GLOBALS}
-                nuts_values[chain.CHAIN] = torch.stack([days[k, t] for t, k in enumerate(path)])
-                conditioned = pyro.poutine.condition(chain.nuts_model, data=nuts_values)
-                nuts_density = pyro.poutine.trace(conditioned).get_trace(returns).log_prob_sum()
-                assert torch.allclose(nuts_density, terms[-1] + log_q, rtol=1e-12, atol=1e-8)
-        expected = torch.stack(terms).logsumexp(0) - math.log(2**4)  # one -log K for the group, one per day
-        assert torch.allclose(draw.log_estimate().reshape(()), expected, rtol=1e-10, atol=1e-8)
-    finally:
-        torch.set_default_dtype(torch.float32)
+    problem = benchmark.stochastic_volatility_problem(100)
+    returns = problem.args[0][-5:].double()
+    problem = problem._replace(args=(returns,))
+    generator = torch.Generator().manual_seed(0)
+    values = {"persistence_of_volatility": torch.tensor(0.9, dtype=torch.float64)}
+    values["mean_log_volatility"] = torch.tensor(-1.0, dtype=torch.float64)
+    values["white_noise_shock_scale"] = torch.tensor(0.3, dtype=torch.float64)
+    days = torch.randn(len(returns), generator=generator, dtype=torch.float64) - 1.0
+    per_day = dict(values, **{f"log_volatility_{t}": days[t] for t in range(len(returns))})
+    conditioned = pyro.poutine.condition(problem.model, data=per_day)
+    expected = pyro.poutine.trace(conditioned).get_trace(returns).log_prob_sum()
+    conditioned = pyro.poutine.condition(chain.nuts_model, data=dict(values, **{chain.CHAIN: days}))
+    got = pyro.poutine.trace(conditioned).get_trace(returns).log_prob_sum()
+    assert torch.allclose(got, expected, rtol=1e-12, atol=1e-8)
 
 
-def test_quick_chain_tmc_runs_on_the_short_series(fresh_pyro, tmp_path):
-    """The fast TMC form (vectorized_markov, grouped globals) runs end to end and logs its timeline."""
-    pytest.importorskip("inference_gym.targets.ground_truth.stochastic_volatility_sp500_small")
+def test_quick_nuts_logs_its_timeline(fresh_pyro, tmp_path):
+    """NUTS logs its error at checkpoints (error against time), and the table compares tmc against it."""
+    pytest.importorskip("inference_gym.targets.ground_truth.eight_schools")
     benchmark = _load()
     timeline = tmp_path / "timeline.jsonl"
-    argv = ["--quick", "--models", "stochastic_volatility_small", "--methods", "tmc", "--no-progress"]
-    argv += ["--out", str(tmp_path / "gold.md"), "--figure", "", "--timeline", str(timeline)]
-    (row,) = benchmark.main(argv + ["--threads", str(torch.get_num_threads())])
-    assert math.isfinite(row["mean_error"]) and "vectorized_markov" in row["note"], row
-    assert len(timeline.read_text().splitlines()) >= 2
+    argv = [
+        "--quick",
+        "--models",
+        "eight_schools",
+        "--methods",
+        "nuts",
+        "tmc",
+        "--seeds",
+        "0",
+        "--no-progress",
+    ]
+    argv += [
+        "--out",
+        str(tmp_path / "gold.md"),
+        "--figure",
+        str(tmp_path / "gold.png"),
+        "--timeline",
+        str(timeline),
+    ]
+    nuts, tmc = benchmark.main(argv + ["--threads", str(torch.get_num_threads())])
+    assert [point["draws"] for point in nuts["timeline"]] == [10, 20, 30], nuts["timeline"]
+    assert len(timeline.read_text().splitlines()) == 3
+    assert benchmark.nuts_time_to(tmc, [nuts, tmc]) != ""
+    rows = benchmark.read_table(str(tmp_path / "gold.md"))
+    assert [row["method"] for row in rows] == ["nuts", "tmc"] and rows[0]["timeline"]
