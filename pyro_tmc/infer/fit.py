@@ -125,11 +125,13 @@ def adapted_proposal(model, guide, args, kwargs, rounds, draws, num_samples, max
     """
     An :class:`AdaptiveProposal` moved onto the posterior, starting from the trained ``guide``: from
     its locations and scales when it is an ``AutoNormal``, else from the TMC-weighted joint draws of
-    ``draws`` TMC draws under it (any guide can start the rounds).
+    ``draws`` TMC draws under it (any guide can start the rounds); from the prior's moments when the
+    guide is an ``AutoNormal`` that never ran (``num_steps=0``).
     """
-    start = guide if isinstance(guide, AutoNormal) else None
+    trained = not isinstance(guide, AutoNormal) or hasattr(guide, "locs")  # an AutoNormal never run has none
+    start = guide if isinstance(guide, AutoNormal) and trained else None
     proposal = AdaptiveProposal(model, *args, init=start, max_plate_nesting=max_plate_nesting, **kwargs)
-    if start is None:
+    if start is None and trained:
         proposal = fitted_to_guide(
             model, guide, proposal, args, kwargs, draws, num_samples, max_plate_nesting
         )
