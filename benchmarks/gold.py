@@ -335,12 +335,12 @@ FIT_QUICK = dict(
 )
 
 SETTINGS = {
-    "brownian_motion": Settings(1000, 0.03, 16, 512, 20, 1500, 200, 1000),
-    "brownian_motion_unknown_scales": Settings(800, 0.03, 16, 64, 60, 1500, 200, 1000),
-    "eight_schools": Settings(1000, 0.03, 64, 256, 20, 1500, 200, 2000),
-    "stochastic_volatility_small": Settings(800, 0.03, 4, 12, 20, 1000, 100, 1000),
+    "brownian_motion": Settings(1000, 0.03, 16, 512, 20, 1500, 200, 640),
+    "brownian_motion_unknown_scales": Settings(800, 0.03, 16, 64, 60, 1500, 200, 640),
+    "eight_schools": Settings(1000, 0.03, 64, 256, 20, 1500, 200, 1280),
+    "stochastic_volatility_small": Settings(800, 0.03, 4, 12, 20, 1000, 100, 640),
     "stochastic_volatility": Settings(200, 0.1, 8, 16, 40, 1000, 150, 1000),
-    "item_response_theory": Settings(100, 0.05, 4, 16, 10, 1000, 100, 500),
+    "item_response_theory": Settings(100, 0.05, 4, 16, 10, 1000, 100, 320),
 }
 #: ``--quick``: a smoke run, seconds per (model, method)
 QUICK = {
