@@ -38,6 +38,8 @@ CASES = {
     "VAE K=20 small": ("vae", 20, "small"),
     "VAE K=20 factorised inductor": ("vae inductor", 20, "factorised"),
     "VAE K=20 small inductor": ("vae inductor", 20, "small"),
+    # the enumerated-state HMM of first_step.py, its whole step captured and replayed (no compile)
+    "HMM T=200 graph": ("hmm", 4, 200),
 }
 
 #: the cases a plain run takes
@@ -62,10 +64,30 @@ def worker(case: str, repeats: int) -> None:
         steps = {name: steps[name] for name in ("pyro_tmc TMC_ELBO", "pyro_tmc IWAE_ELBO")}
     elif kind == "vae":
         steps = run.vae_steps(num_samples, "cpu", extra, compiled=False)
+    elif kind == "hmm":
+        steps = {"TMC_ELBO(compile='graph'), whole step": captured_hmm_step(extra)}
     else:  # the compiled IWAE rows beside Pyro's: TMC's compiled rows are timed by run.py
         steps = run.vae_steps(num_samples, "cpu", extra, compiled=True)
         steps = {name: step for name, step in steps.items() if not name.startswith("TMC_ELBO")}
     print(json.dumps(run.median_seconds(steps, repeats, "cpu")))
+
+
+def captured_hmm_step(length: int):
+    """``first_step.py``'s HMM, ``compile="graph"``, after its eager step, capture and first replay."""
+    import first_step
+
+    import pyro
+
+    loss, model, guide, args = first_step.pyro_tmc_case(f"hmm{length}", "graph")
+
+    def step() -> None:
+        loss.loss_and_grads(model, guide, *args)
+        for param in pyro.get_param_store().values():
+            param.unconstrained().grad = None
+
+    for _ in range(3):
+        step()
+    return step
 
 
 def ratio_rows(times: dict, case: str, version: str) -> dict:
