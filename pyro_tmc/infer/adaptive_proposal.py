@@ -331,7 +331,9 @@ class AdaptiveProposal:
             )
         local_draws = {
             layout.name: LocalDraws(
-                columns[layout.name], self._regressors(layout, columns) if regress else None, weights
+                columns[layout.name],
+                self._regressors(layout, columns) if regress and self.num_regressors(layout.name) else None,
+                weights,
             )
             for layout in self.locals
         }

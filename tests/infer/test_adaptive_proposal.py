@@ -269,3 +269,20 @@ def test_tmc_under_the_proposal_is_unbiased_with_transforms(float64, df):
     error = float(ratios.std() / math.sqrt(len(ratios)))
     assert abs(float(ratios.mean()) - 1.0) < 4 * error, (float(ratios.mean()), error)
     assert float(ratios.std()) < 0.5
+
+
+def test_a_chain_with_no_globals_starts_from_the_prior():
+    """The chain's first step has no parent and no global to regress on: a plain Normal, not a crash."""
+
+    def chain(y):
+        x = 0.0
+        for t in pyro.markov(range(len(y))):
+            x = pyro.sample(f"x_{t}", dist.Normal(x, 1.0))
+            pyro.sample(f"y_{t}", dist.Normal(x, 1.0), obs=y[t])
+
+    pyro.set_rng_seed(0)
+    proposal = AdaptiveProposal(chain, torch.zeros(4), num_prior_draws=4000)
+    assert proposal.local_proposals["x_0"].coefficients is None
+    # x_1 | x_0 under the prior: N(x_0, 1), so the fitted coefficient is 1 within sampling error
+    coefficient = proposal.local_proposals["x_1"].coefficients.reshape(())
+    assert abs(float(coefficient) - 1.0) < 0.06, coefficient
