@@ -41,7 +41,7 @@ def fit_posterior(
     model: Callable,
     *args,
     guide: Optional[Callable] = None,
-    num_steps: int = 200,
+    num_steps: int = 1000,
     num_samples: int = 16,
     learning_rate: float = 0.01,
     adapt_rounds: int = 4,
