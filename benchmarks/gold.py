@@ -331,6 +331,7 @@ FIT_QUICK = dict(
     adapt_samples=16,
     readout_samples=16,
     num_draws=8,
+    max_draws=8,
     samples_per_draw=0,
 )
 

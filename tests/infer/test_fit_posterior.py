@@ -51,6 +51,7 @@ def fitted() -> TMCPosterior:
         adapt_draws=6,
         readout_samples=64,
         num_draws=20,
+        max_draws=20,
         samples_per_draw=50,
         max_plate_nesting=1,
         progress=False,
@@ -118,6 +119,7 @@ def test_diagnostics_name_the_sites_of_a_poor_proposal():
         adapt_rounds=0,
         readout_samples=8,
         num_draws=20,
+        max_draws=20,
         samples_per_draw=0,
         max_plate_nesting=1,
         progress=False,
@@ -142,3 +144,21 @@ def test_to_arviz_has_the_groups_loo_needs(fitted):
 def test_log_predictive_of_new_groups_is_finite(fitted):
     result = fitted.log_predictive(torch.tensor([0.5, 1.0, 1.5]), num_samples=32)
     assert math.isfinite(float(result.log_likelihood))
+
+
+def test_read_out_continues_until_the_standard_errors_are_small():
+    """Past num_draws, draws are added 20 at a time until the means' errors average target_error sds."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(2)
+    options = dict(num_steps=100, adapt_rounds=1, adapt_draws=4, readout_samples=8, samples_per_draw=0)
+    posterior = fit_posterior(
+        hierarchical_model, DATA, num_draws=20, max_draws=200, target_error=0.02, progress=False, **options
+    )
+    count = posterior.history["readout_draws"]
+    assert count % 20 == 0 and 20 <= count <= 200
+    relative = torch.cat([(m.mean_error / m.stddev).reshape(-1) for m in posterior.moments.values()])
+    assert float(relative.mean()) <= 0.02 or count == 200, (count, relative)
+    if count > 20:  # it stopped at the first check that met the target: 20 fewer draws did not
+        fewer = TMCPosterior(hierarchical_model, posterior.draws[:-20])
+        relative = torch.cat([(m.mean_error / m.stddev).reshape(-1) for m in fewer.moments.values()])
+        assert float(relative.mean()) > 0.02
