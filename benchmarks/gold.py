@@ -815,6 +815,9 @@ def nuts_time_to(row: dict, rows: Sequence[dict]) -> str:
     return f"> {timeline[-1]['seconds']:.0f}"
 
 
+#: the comment line of a written table that holds NUTS's timelines (JSON)
+TIMELINE_MARK = "<!-- NUTS timelines: "
+
 COLUMNS = (
     "model",
     "method",
@@ -864,17 +867,16 @@ def write_table(rows: Sequence[dict], path: str, command: str) -> None:
         "timeline (its error at 10, 20, 40, ... draws) first reached the row's average mean and sd errors. "
         "k-hat: the largest Pareto k-hat of fit_posterior's diagnostics (above 0.7: do not trust).\n\n"
     )
-    with open(path, "w") as handle:
-        handle.write(header + table(rows))
     timelines = [
         dict(point, model=row["model"], seed=row["seed"]) for row in rows for point in row["timeline"]
     ]
-    with open(os.path.splitext(path)[0] + "_nuts_timeline.json", "w") as handle:
-        json.dump(timelines, handle)
+    # NUTS's timelines ride in the page itself, as a comment, so that the figure redraws from one file
+    with open(path, "w") as handle:
+        handle.write(header + table(rows) + f"\n{TIMELINE_MARK}{json.dumps(timelines)} -->\n")
 
 
 def read_table(path: str) -> list[dict]:
-    """The rows of a table that :func:`write_table` wrote, with NUTS's timelines beside it."""
+    """The rows of a table that :func:`write_table` wrote, with NUTS's timelines from its comment."""
     rows = []
     with open(path) as handle:
         for line in handle:
@@ -891,11 +893,9 @@ def read_table(path: str) -> list[dict]:
                         mean_error=mean_error,
                     )
                 )
-    timeline_path = os.path.splitext(path)[0] + "_nuts_timeline.json"
-    points = []
-    if os.path.exists(timeline_path):
-        with open(timeline_path) as handle:
-            points = json.load(handle)
+    with open(path) as handle:
+        marked = [line for line in handle if line.startswith(TIMELINE_MARK)]
+    points = json.loads(marked[0][len(TIMELINE_MARK) :].rsplit("-->", 1)[0]) if marked else []
     for row in rows:
         row["timeline"] = [
             p
