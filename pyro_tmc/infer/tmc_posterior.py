@@ -31,7 +31,7 @@ import torch
 
 import pyro
 
-from pyro_tmc.infer.diagnostics import effective_sample_size, khat_threshold, pareto_khat
+from pyro_tmc.infer.diagnostics import effective_sample_size, pareto_khat
 from pyro_tmc.infer.moments import PosteriorMoments, _pooled
 from pyro_tmc.infer.posterior import marginals_and_log_estimate
 from pyro_tmc.infer.predictive import (
@@ -319,11 +319,6 @@ class TMCPosterior:
                 stacklevel=2,
             )
         return Diagnostics(khat, effective, khat_draws, effective_draws, overall, KHAT_LIMIT, untrusted)
-
-    @staticmethod
-    def draws_threshold(num_draws: int) -> float:
-        """The sample-size-dependent k-hat threshold for ``num_draws`` weights (:func:`khat_threshold`)."""
-        return khat_threshold(num_draws)
 
     # -- export -------------------------------------------------------------------------------
 
