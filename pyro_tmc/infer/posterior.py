@@ -12,9 +12,9 @@ this over Pyro's adjoint backends (``torch_marginal`` / ``torch_sample``)
 because it runs the very contraction that gives the bound, plate scales and
 fused factors included, so the read-outs cannot drift from the estimator.
 
-Joint draws use the same identity sequentially (backward sampling in the order
-the sites were drawn): read the marginal of a site given the sites already
-chosen, pick its particle, fix that particle in every factor, move on. Each of
+Joint draws use the same identity sequentially (backward sampling, down the
+plate tree: sites in fewer plates first): read the marginal of a site given the
+sites already chosen, pick its particle, fix that particle in every factor, move on. Each of
 the ``num_draws`` draws conditions its own copy of the factors, held as a batch
 (plate) dim, so the draws are vectorised; the cost is one contraction per latent
 site.
@@ -282,7 +282,7 @@ def sample_posterior(draw, num_draws: int) -> dict[str, torch.Tensor]:
     with torch.no_grad():
         factors = [f.term for f in draw.factors()]
     draws, indices = {}, {}
-    for site in particle_sites(model_trace, guide_trace):
+    for site in _in_plate_tree_order(particle_sites(model_trace, guide_trace)):
         symbol = particle_symbol(site)
         index = indices.get(symbol)  # members of a particle group share their particles' index
         if index is None:
@@ -296,6 +296,18 @@ def sample_posterior(draw, num_draws: int) -> dict[str, torch.Tensor]:
             model_trace.nodes[name], indices, model_trace.plate_to_symbol, num_draws
         )
     return {name: draws[name] for name in model_trace.nodes if name in draws}
+
+
+def _in_plate_tree_order(sites: list[dict]) -> list[dict]:
+    """
+    The sites in fewer plates first (stably). A plated site's particles are drawn for all its plate
+    elements at once, each from its own conditional marginal, which is its joint only when the
+    elements are independent given the sites already drawn: the sites outside its plates that
+    couple them (its globals) must come first. The model's order does not ensure it: a guide's
+    auxiliary globals (AdaptiveProposal's, an AutoGuide's) come after every model latent. Plates form
+    a tree under TMC's contraction, so the sites outside a plate that touch it are in fewer plates.
+    """
+    return sorted(sites, key=lambda site: sum(frame.vectorized for frame in site["cond_indep_stack"]))
 
 
 def _gather_point_mass(

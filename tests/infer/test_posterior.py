@@ -127,6 +127,54 @@ def test_joint_draws_are_joint(empty_guide):
     assert torch.all((freq - joint).abs() < 4 * se + 1e-4)
 
 
+def _schools(y):
+    mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
+    log_tau = pyro.sample("log_tau", dist.Normal(1.0, 1.0))
+    with pyro.plate("schools", len(y)):
+        effect = pyro.sample("effect", dist.Normal(mu, log_tau.exp()))
+        pyro.sample("y", dist.Normal(effect, 10.0), obs=y)
+
+
+def test_joint_draws_couple_plate_elements_through_auxiliary_globals():
+    """
+    AdaptiveProposal's globals are one auxiliary guide site, after every model latent: joint draws
+    must still pick the globals' particle before the schools', or each school is drawn from its own
+    marginal and the draws lose the coupling. Brute force over all K^(1+J) particle combinations.
+    """
+    from pyro_tmc.infer.adaptive_proposal import AdaptiveProposal
+    from pyro_tmc.ops.shapes import packed_view
+
+    pyro.set_rng_seed(5)
+    y = torch.tensor([28.0, -3.0, 18.0])
+    K, J = 3, len(y)
+    draw = TMC_ELBO(num_samples=K, max_plate_nesting=1).draw(_schools, AdaptiveProposal(_schools, y), y)
+    symbols = draw.model_trace.nodes["effect"]["infer"]["_dim_to_symbol"]
+    plate, effect = symbols[-1], posterior.particle_symbol(draw.model_trace.nodes["effect"])
+    (globals_,) = set(draw.guide_trace.nodes["mu"]["infer"]["_dim_to_symbol"].values()) - {effect}
+    log_joint = torch.zeros((K,) * (1 + J), dtype=torch.float64)  # (globals, effect_0, ..., effect_J-1)
+    for factor in draw.factors():
+        term = packed_view(factor.term, [globals_, effect, plate]).double().expand(K, K, J)
+        for j in range(J):
+            shape = [K, 1, 1, 1]
+            shape[1 + j] = K
+            log_joint = log_joint + (term[:, :, j].reshape(shape) if plate in factor.term._pyro_dims else 0)
+        if plate not in factor.term._pyro_dims:
+            log_joint = log_joint + packed_view(factor.term, [globals_]).double().reshape(K, 1, 1, 1)
+    exact = (log_joint - log_joint.logsumexp(tuple(range(1 + J)))).exp()
+
+    num_draws = 20000
+    drawn = posterior.sample_posterior(draw, num_draws)
+    log_taus = draw.model_trace.nodes["log_tau"]["value"].reshape(K)
+    effects = draw.model_trace.nodes["effect"]["value"].reshape(K, J)
+    picked = [(drawn["log_tau"].reshape(-1, 1) == log_taus).long().argmax(-1)]
+    picked += [(drawn["effect"][:, j, None] == effects[:, j]).long().argmax(-1) for j in range(J)]
+    freq = torch.zeros_like(exact)
+    freq.index_put_(tuple(picked), torch.ones(num_draws, dtype=torch.float64), accumulate=True)
+    freq /= num_draws
+    se = torch.sqrt(exact * (1 - exact) / num_draws)
+    assert torch.all((freq - exact).abs() < 4 * se + 1e-3)
+
+
 def test_continuous_draws_follow_marginal_weights(toy_x):
     """On one TMC draw of the toy model, theta's drawn particles follow its marginal weights."""
     pyro.set_rng_seed(4)
