@@ -328,8 +328,9 @@ class TMCPosterior:
         """
         An ArviZ ``InferenceData``: a ``posterior`` group of ``num_samples`` equal-weight draws
         (:meth:`sample`), a pointwise ``log_likelihood`` group on the fitted data (so that
-        ``az.loo`` and ``az.waic`` work), ``sample_stats`` (each draw's log-likelihood sum) and
-        ``observed_data``. Needs ArviZ (``pip install pyro_tmc[posterior]``).
+        ``az.loo`` and ``az.waic`` work), ``sample_stats`` (``total_log_likelihood``: each draw's
+        log-likelihood summed over every observation) and ``observed_data``. Needs ArviZ
+        (``pip install pyro_tmc[posterior]``).
 
         :param int num_samples: posterior draws exported (a multiple of ``num_chains``).
         :param int num_chains: ArviZ's chain dim (the draws are exchangeable, so any split is valid).
@@ -338,8 +339,9 @@ class TMCPosterior:
 
         samples = self.sample(num_samples, generator=generator)
         log_likelihood = self.pointwise_log_likelihood(samples)
-        total = sum(values.sum(-1) for values in log_likelihood.values())
-        stats = {"log_likelihood": total} if log_likelihood else {}
+        # ArviZ reserves the name log_likelihood for the pointwise group (and warns of it in sample_stats)
+        total = sum(values.reshape(values.shape[0], -1).sum(-1) for values in log_likelihood.values())
+        stats = {"total_log_likelihood": total} if log_likelihood else {}
         observed = self._observed_data()
         return to_inference_data(
             samples,

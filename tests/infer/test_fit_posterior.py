@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -135,6 +136,10 @@ def test_to_arviz_has_the_groups_loo_needs(fitted):
     assert {"posterior", "log_likelihood", "sample_stats", "observed_data"} <= set(data.groups())
     assert data.posterior["theta"].shape[:2] == (2, 200)
     assert data.log_likelihood["y"].shape[:2] == (2, 200)
+    total = data.log_likelihood["y"].sum(
+        [d for d in data.log_likelihood["y"].dims if d not in ("chain", "draw")]
+    )
+    assert np.allclose(data.sample_stats["total_log_likelihood"], total)
     loo = az.loo(data)
     assert math.isfinite(float(loo.elpd_loo))
     summary = az.summary(data, var_names=["mu"])
