@@ -279,7 +279,9 @@ class TMCPosterior:
     def diagnostics(self, warn: bool = True) -> Diagnostics:
         """
         Effective sample sizes and Pareto k-hats of the pooled weights, per particle site and over
-        the draws; with ``warn``, a warning naming every site above the threshold (:data:`KHAT_LIMIT`).
+        the draws; with ``warn``, a warning naming every site above the threshold (:data:`KHAT_LIMIT`),
+        and one when there are too few draws (:data:`MIN_DRAWS_FOR_KHAT` or fewer) for the draws' own
+        k-hat, the one check that sees a proposal whose particles all miss the posterior together.
 
         :rtype: Diagnostics
         """
@@ -316,6 +318,15 @@ class TMCPosterior:
                 f"({values}): a few particles carry "
                 "these estimates, and their standard errors are unreliable. Fit with more adaptation rounds "
                 "(adapt_rounds=), a larger read-out K (readout_samples=) or more draws (num_draws=).",
+                stacklevel=2,
+            )
+        if warn and math.isnan(khat_draws):
+            warnings.warn(
+                f"TMCPosterior: {len(self.draws)} draws are too few for the draws' k-hat (it needs more than "
+                f"{MIN_DRAWS_FOR_KHAT}), and the sites' k-hats alone cannot see a proposal that misses the "
+                "posterior as a whole (every particle of every draw in the wrong place, agreeing with each "
+                "other). Read out more draws (num_draws=; fit_posterior's default is 100) before trusting "
+                "it.",
                 stacklevel=2,
             )
         return Diagnostics(khat, effective, khat_draws, effective_draws, overall, KHAT_LIMIT, untrusted)

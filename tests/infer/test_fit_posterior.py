@@ -1,6 +1,7 @@
 """fit_posterior and the TMCPosterior it returns, against a hierarchical Gaussian model's exact posterior."""
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -128,6 +129,18 @@ def test_diagnostics_name_the_sites_of_a_poor_proposal():
     with pytest.warns(UserWarning, match="k-hat"):
         diagnostics = posterior.diagnostics()
     assert diagnostics.untrusted, diagnostics
+
+
+def test_diagnostics_warn_of_too_few_draws_for_their_khat(fitted):
+    """With 20 draws or fewer the draws' k-hat is NaN, and the warning says so rather than staying silent."""
+    few = TMCPosterior(fitted.model, fitted.draws[:12], fitted.args, fitted.kwargs)
+    with pytest.warns(UserWarning, match="too few for the draws' k-hat"):
+        diagnostics = few.diagnostics()
+    assert math.isnan(diagnostics.khat_draws)
+    enough = TMCPosterior(fitted.model, fitted.draws * 2, fitted.args, fitted.kwargs)  # 40 draws
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not math.isnan(enough.diagnostics().khat_draws)
 
 
 def test_to_arviz_has_the_groups_loo_needs(fitted):
