@@ -38,7 +38,7 @@ from pyro import poutine
 #: coordinates above which the Hessian (one backward pass each) is not attempted
 MAX_COORDINATES = 3000
 #: Newton steps from the start to the mode (each costs a Hessian)
-NEWTON_STEPS = 4
+NEWTON_STEPS = 8
 #: backtracking halvings of a Newton step that lowers the log density
 HALVINGS = 6
 
