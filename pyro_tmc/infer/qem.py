@@ -25,6 +25,12 @@ Families (chosen per site from its support, or named per site):
   the bijection; T = (u, u^2). For a Beta posterior on (0, 1) its fixed point matches
   ``E[logit z]`` and ``Var[logit z]``.
 
+A vector site outside plates (an event of D elements) gets K whole vectors in one particle dim,
+whose weights judge all D elements at once: in many dims one particle takes the weight, and its
+moments are one guide draw. ``QEM(elementwise=...)`` reads such a site's moments element by element
+from each element's full conditional at joint posterior draws of the rest
+(:mod:`pyro_tmc.infer.qem_elementwise`), a Rao-Blackwellised estimate of the same expectations.
+
 A model's ``pyro.markov`` loop (a site per step, with distinct names) is visited by the guide
 in a ``pyro.markov`` loop of the same steps, so that TMC recycles the steps' particle dims
 as it does in the model: a chain of any length, not only those under torch's 64 dims.
@@ -50,7 +56,8 @@ import pyro.distributions as dist
 from pyro import poutine
 from pyro.poutine.util import prune_subsample_sites
 
-from pyro_tmc.infer.posterior import marginals_and_log_estimate
+from pyro_tmc.infer.posterior import marginals_and_log_estimate, sample_posterior
+from pyro_tmc.infer.qem_elementwise import elementwise_statistics, is_elementwise_site
 from pyro_tmc.infer.tmc_elbo import TMC_ELBO
 from pyro_tmc.poutine.sites import is_latent, plate_frames
 
@@ -333,18 +340,23 @@ class QEMGuide:
 
     # -- the QEM update ------------------------------------------------------------------
 
-    def update(self, marginals: dict, lr: float) -> None:
+    def update(self, marginals: dict, lr: float, expectations: Optional[dict] = None) -> None:
         """
         ``m <- (1 - lr) m + lr E[T(z)]`` for every guide site, the expectations read from
-        ``marginals`` (:func:`~pyro_tmc.infer.posterior.compute_marginals`).
+        ``marginals`` (:func:`~pyro_tmc.infer.posterior.compute_marginals`), or for a site in
+        ``expectations`` (name -> the pair ``(E[T_1], E[T_2])``) from there.
         """
         store = pyro.get_param_store()
+        expectations = expectations or {}
         for name, site in self.sites.items():
-            # both expectations at once: the statistics stacked along a new last dim
-            pair = marginals[name].expectation(
-                lambda z, family=site.family: torch.stack(family.statistics(z), -1)
-            )
-            statistics = pair.movedim(-1, 0)
+            if name in expectations:
+                statistics = torch.stack(expectations[name])
+            else:
+                # both expectations at once: the statistics stacked along a new last dim
+                pair = marginals[name].expectation(
+                    lambda z, family=site.family: torch.stack(family.statistics(z), -1)
+                )
+                statistics = pair.movedim(-1, 0)
             old = pyro.param(self.param_name(name)).detach()
             store[self.param_name(name)] = old + lr * (statistics.reshape(old.shape).to(old) - old)
 
@@ -464,6 +476,12 @@ class QEM:
         ``step -> lr`` (step counts from 0) gives a schedule, e.g. ``lambda t: max(0.1, 1 / (t + 1))``.
     :param int num_samples: K, the particles per latent in each step's TMC draw.
     :param max_plate_nesting: as in every Pyro ELBO.
+    :param elementwise: the vector sites whose moments are read element by element from their
+        full conditionals (:mod:`pyro_tmc.infer.qem_elementwise`) rather than from TMC's joint
+        weights of whole vectors: ``"auto"`` (every site outside plates with more than one element
+        and an element-wise family), ``False`` (none), or a list of site names.
+    :param int num_references: the joint posterior draws the element-wise moments average over.
+    :param int num_candidates: each element's proposals per reference draw (default: ``num_samples``).
     :param tmc_options: other :class:`~pyro_tmc.TMC_ELBO` arguments (``proposal``, ...).
     """
 
@@ -474,15 +492,26 @@ class QEM:
         lr: Union[float, Callable[[int], float]] = 0.1,
         num_samples: int = 16,
         max_plate_nesting: float = float("inf"),
+        elementwise: Union[str, bool, list[str]] = False,
+        num_references: int = 4,
+        num_candidates: Optional[int] = None,
         **tmc_options,
     ) -> None:
         if not isinstance(guide, QEMGuide):
             raise TypeError(
                 f"QEM needs a QEMGuide (a mean-field exponential-family guide), got {type(guide)}."
             )
+        if not (elementwise in ("auto", True, False) or isinstance(elementwise, (list, tuple))):
+            raise ValueError(
+                f"QEM(elementwise=...): 'auto', False or a list of site names, got {elementwise!r}."
+            )
         self.model = model
         self.guide = guide
         self.lr = lr
+        self.elementwise = elementwise
+        self.num_references = num_references
+        self.num_candidates = num_samples if num_candidates is None else num_candidates
+        self._elementwise_names: Optional[list[str]] = None
         self.num_steps = 0
         self._step_size()  # checks lr now, not at the first step
         self.elbo = TMC_ELBO(num_samples=num_samples, max_plate_nesting=max_plate_nesting, **tmc_options)
@@ -493,7 +522,8 @@ class QEM:
         with torch.no_grad():
             draw = self.elbo.draw(self.model, self.guide, *args, **kwargs)
             marginals, log_estimate = marginals_and_log_estimate(draw)
-            self.guide.update(marginals, self._step_size())
+            expectations = self._elementwise_expectations(draw, args, kwargs)
+            self.guide.update(marginals, self._step_size(), expectations)
         self.num_steps += 1
         loss = -float(log_estimate)
         if math.isnan(loss):
@@ -501,6 +531,55 @@ class QEM:
                 "QEM.step: the TMC estimate is NaN; check the model's data and the guide's start."
             )
         return loss
+
+    def elementwise_sites(self) -> list[str]:
+        """The guide sites whose moments are read element by element (after the guide's setup)."""
+        if self._elementwise_names is None:
+            if self.elementwise in ("auto", True):
+                names = [name for name in self.guide.sites if is_elementwise_site(self.guide, name)]
+            elif self.elementwise is False:
+                names = []
+            else:
+                names = list(self.elementwise)
+                refused = [
+                    name
+                    for name in names
+                    if name not in self.guide.sites or not is_elementwise_site(self.guide, name)
+                ]
+                if refused:
+                    raise ValueError(
+                        f"QEM(elementwise=...): {refused} are not guide sites outside plates with more "
+                        "than one element and an element-wise family."
+                    )
+            self._elementwise_names = names
+        return self._elementwise_names
+
+    def _elementwise_expectations(self, draw, args, kwargs) -> dict:
+        """Each element-wise site's conditional expectations, from joint draws of ``draw``'s posterior."""
+        names = self.elementwise_sites()
+        if not names:
+            return {}
+        try:
+            reference = sample_posterior(draw, self.num_references)
+        except NotImplementedError:  # e.g. a vectorized_markov chain: TMC's moments stay
+            return {}
+        event_dims = {site: draw.model_trace.nodes[site]["fn"].event_dim for site in reference}
+        expectations = {}
+        for name in names:
+            pair = elementwise_statistics(
+                self.model,
+                self.guide,
+                name,
+                reference,
+                event_dims,
+                args,
+                kwargs,
+                self.num_candidates,
+                int(self.elbo.max_plate_nesting),
+            )
+            if pair is not None:
+                expectations[name] = pair
+        return expectations
 
     def _step_size(self) -> float:
         lr = self.lr(self.num_steps) if callable(self.lr) else self.lr

@@ -1,0 +1,191 @@
+"""Element-wise conditional moments for QEM's vector sites: a Rao-Blackwellised update.
+
+TMC proposes a vector site (an event of D elements, e.g. ``Normal(0, 1).expand([59]).to_event(1)``)
+as K whole vectors in one particle dim. Its K weights then judge all D elements at once, and in
+many dims one particle takes nearly all the weight (an effective sample size near 1): QEM's moments
+of the site are one guide draw, and a moving-average step larger than about 0.1 collapses the guide.
+
+This module reads each element's moments from its own conditional instead. Given one joint draw
+``z*`` of every latent from the TMC posterior, element ``j`` of the site gets K candidates
+``u_1..u_K ~ q_j`` (the guide's marginal of that element) besides its drawn value ``z*_j``, and the
+self-normalised importance weights
+
+    w_k ∝ p(x, z* with element j set to u_k) / q_j(u_k)
+
+give ``E[T(z_j) | z*_{-j}, x]``, the element's sufficient statistics under its full conditional.
+Their average over draws of ``z*`` is the marginal expectation ``E[T(z_j) | x]`` (the tower rule,
+as in a Rao-Blackwellised Gibbs sampler), which is QEM's target. Each element's weights compare
+one-dimensional candidates, so their effective sample size does not fall with D.
+
+Including the drawn value among the candidates is the conditional importance sampling kernel of
+Markovian score climbing [1]: where ``z*`` is a posterior draw it keeps the estimate anchored even
+when ``q_j`` is still far from the conditional.
+
+Every candidate of every element is one batch entry of a single vectorised run of the model,
+conditioned on ``z*``: the batch dims sit left of the model's plates (``max_plate_nesting``), as
+TMC's particle dims do, so any model TMC runs broadcasts them. The cost is ``R x (D K + 1)`` model
+evaluations at one value of every other latent, against TMC's K-fold sums over every factor.
+
+Only sites in no plate qualify (a plated site's elements in TMC already get K particles each), with
+an element-wise family (Normal, LogNormal, Gamma, or an unconstrained Normal whose bijection is
+element-wise).
+
+References
+
+[1] `Markovian Score Climbing: Variational Inference with KL(p||q)`,
+    Christian A. Naesseth, Fredrik Lindsten and David Blei (NeurIPS 2020)
+"""
+
+from typing import Callable, Optional
+
+import torch
+
+from pyro import poutine
+from pyro.poutine.util import prune_subsample_sites
+
+
+def is_elementwise_site(guide, name: str) -> bool:
+    """
+    Whether guide site ``name`` can take element-wise moments: no plates, an event of more than one
+    element, and a family whose distribution factorises over the elements.
+
+    :param guide: a set-up :class:`~pyro_tmc.infer.qem.QEMGuide`.
+    :param str name: the site.
+    """
+    site = guide.sites[name]
+    if site.frames or len(site.batch_shape) or site.event_dim == 0:
+        return False
+    first, second = guide.statistics(name)
+    if first.numel() < 2:
+        return False
+    return site.family.distribution(first, second).event_dim == 0
+
+
+def elementwise_statistics(
+    model: Callable,
+    guide,
+    name: str,
+    reference: dict[str, torch.Tensor],
+    event_dims: dict[str, int],
+    args: tuple,
+    kwargs: dict,
+    num_candidates: int,
+    max_plate_nesting: int,
+) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """
+    The site's two sufficient statistics under each element's full conditional, averaged over the
+    reference draws (see the module's docstring).
+
+    :param callable model: the Pyro model.
+    :param guide: the :class:`~pyro_tmc.infer.qem.QEMGuide` (its current marginals propose).
+    :param str name: a site for which :func:`is_elementwise_site` holds.
+    :param dict reference: site name -> ``(R,) + plate shape + event shape`` values of R joint draws
+        (:func:`~pyro_tmc.infer.posterior.sample_posterior`).
+    :param dict event_dims: site name -> its event dims, for every site in ``reference``.
+    :param tuple args: the model's arguments.
+    :param dict kwargs: the model's keyword arguments.
+    :param int num_candidates: the K candidates per element, besides the drawn value.
+    :param int max_plate_nesting: the model's plate dims (the batch dims go left of them).
+    :returns: the pair ``(E[T_1], E[T_2])``, each of the site's event shape; ``None`` if the draws do
+        not hold every latent of the model (e.g. a site TMC sums by enumeration).
+    """
+    site = guide.sites[name]
+    family = site.family
+    marginal = family.distribution(*guide.statistics(name))
+    drawn = reference[name]  # (R,) + event
+    num_draws, event_shape = drawn.shape[0], drawn.shape[1:]
+    drawn = drawn.reshape(num_draws, -1)
+    num_elements = drawn.shape[1]
+    with torch.no_grad():
+        proposed = marginal.sample((num_draws, num_candidates)).reshape(num_draws, num_candidates, -1)
+        candidates = _candidates(drawn, proposed)  # (R, 1 + D K, D)
+        log_joint = _log_joint(
+            model,
+            name,
+            candidates.reshape(candidates.shape[:2] + event_shape),
+            reference,
+            event_dims,
+            args,
+            kwargs,
+            max_plate_nesting,
+        )
+        if log_joint is None:
+            return None
+        values = torch.cat([drawn.unsqueeze(1), proposed], 1)  # (R, 1 + K, D): element j's candidates
+        log_proposal = marginal.log_prob(values.reshape(values.shape[:2] + event_shape)).reshape(values.shape)
+        # element j's candidate k > 0 is batch entry 1 + j K + (k - 1); the drawn value is entry 0
+        per_element = log_joint[:, 1:].reshape(num_draws, num_elements, num_candidates).transpose(1, 2)
+        log_target = torch.cat([log_joint[:, :1, None].expand(num_draws, 1, num_elements), per_element], 1)
+        weights = (log_target - log_proposal).softmax(1)  # (R, 1 + K, D)
+        first, second = family.statistics(values.reshape(values.shape[:2] + event_shape))
+        first = (weights * first.reshape(values.shape)).sum(1).mean(0)
+        second = (weights * second.reshape(values.shape)).sum(1).mean(0)
+    return first.reshape(event_shape), second.reshape(event_shape)
+
+
+def _candidates(drawn: torch.Tensor, proposed: torch.Tensor) -> torch.Tensor:
+    """
+    The drawn vectors, then each with one element replaced by each of its proposals:
+    ``(R, 1 + D K, D)``, element j's K candidates at entries ``1 + j K .. (j + 1) K``.
+    """
+    num_draws, num_candidates, num_elements = proposed.shape
+    replaced = torch.eye(num_elements, dtype=torch.bool, device=drawn.device).reshape(
+        1, num_elements, 1, num_elements
+    )
+    swapped = torch.where(replaced, proposed.unsqueeze(1), drawn.reshape(num_draws, 1, 1, num_elements))
+    swapped = swapped.reshape(num_draws, num_elements * num_candidates, num_elements)
+    return torch.cat([drawn.unsqueeze(1), swapped], 1)
+
+
+def _log_joint(
+    model: Callable,
+    name: str,
+    candidates: torch.Tensor,
+    reference: dict[str, torch.Tensor],
+    event_dims: dict[str, int],
+    args: tuple,
+    kwargs: dict,
+    max_plate_nesting: int,
+) -> Optional[torch.Tensor]:
+    """
+    ``log p(x, z)`` at every candidate of site ``name`` (``(R, C) + event``), every other latent at
+    its reference draw: ``(R, C)``. ``None`` if the model has a latent the reference lacks.
+    """
+    num_draws, num_batch = candidates.shape[:2]
+    values = {}
+    for other, value in reference.items():
+        if other != name:
+            plate_ndim = value.dim() - 1 - event_dims[other]
+            values[other] = value.reshape(
+                (num_draws, 1) + (1,) * (max_plate_nesting - plate_ndim) + value.shape[1:]
+            )
+    values[name] = candidates.reshape(
+        (num_draws, num_batch) + (1,) * max_plate_nesting + candidates.shape[2:]
+    )
+    trace = prune_subsample_sites(
+        poutine.trace(poutine.condition(model, data=values)).get_trace(*args, **kwargs)
+    )
+    plate_dims = tuple(range(-max_plate_nesting, 0))
+    total = candidates.new_zeros(num_draws, num_batch)
+    for node in trace.nodes.values():
+        if node["type"] != "sample":
+            continue
+        if not node["is_observed"]:
+            return None  # a latent the reference does not fix
+        log_prob = _scaled(node["fn"].log_prob(node["value"]), node)
+        log_prob = log_prob.reshape((1,) * (max_plate_nesting + 2 - log_prob.dim()) + log_prob.shape)
+        total = total + (log_prob.sum(plate_dims) if plate_dims else log_prob)
+    if total.shape != (num_draws, num_batch):
+        raise ValueError(
+            f"QEM(elementwise=...): the model's log-densities at site '{name}'s candidates have batch shape "
+            f"{tuple(total.shape)}, not {(num_draws, num_batch)}: the model must broadcast batch dims left "
+            f"of its {max_plate_nesting} plate dims, as TMC's particle dims."
+        )
+    return total
+
+
+def _scaled(log_prob: torch.Tensor, node: dict) -> torch.Tensor:
+    """A site's log-density with its ``poutine.scale`` and ``poutine.mask`` applied."""
+    if node["mask"] is not None:
+        log_prob = torch.where(node["mask"], log_prob, log_prob.new_zeros(()))
+    return log_prob * node["scale"]
