@@ -123,3 +123,55 @@ def conjugate_log_px(counts: torch.Tensor, successes: torch.Tensor) -> float:
 
 COUNTS = torch.tensor([3.0, 0.0, 5.0, 2.0, 7.0, 1.0], dtype=torch.float64)
 SUCCESSES = torch.tensor(7.0, dtype=torch.float64)
+
+
+# -- a funnel: eight schools with an unknown group scale (exact by quadrature over its log) -------
+
+FUNNEL_Y = (28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0)
+FUNNEL_SIGMA = (15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0)
+FUNNEL_MU_SD, FUNNEL_LOG_TAU = 5.0, (1.0, 1.0)
+
+
+def funnel_model(y: torch.Tensor) -> None:
+    """mu ~ N(0, 5^2), log_tau ~ N(1, 1), theta_j ~ N(mu, tau^2), y_j ~ N(theta_j, sigma_j^2)."""
+    mu = pyro.sample("mu", dist.Normal(y.new_zeros(()), FUNNEL_MU_SD))
+    log_tau = pyro.sample("log_tau", dist.Normal(*map(y.new_tensor, FUNNEL_LOG_TAU)))
+    with pyro.plate("schools", len(y)):
+        theta = pyro.sample("theta", dist.Normal(mu, log_tau.exp()))
+        pyro.sample("y", dist.Normal(theta, y.new_tensor(FUNNEL_SIGMA)), obs=y)
+
+
+def funnel_exact(num_points: int = 4001) -> dict:
+    """
+    log p(y) and the posterior means and sds of mu, log_tau and theta_1..theta_8: given log_tau the
+    model is linear-Gaussian (its evidence and posterior exact), and log_tau is summed out on a grid
+    of ``num_points`` over 12 prior sds (the trapezoid rule; its error is far below 1e-6 here).
+    """
+    y, n = np.array(FUNNEL_Y), len(FUNNEL_Y)
+    loc, sd = FUNNEL_LOG_TAU
+    grid = np.linspace(loc - 6 * sd, loc + 6 * sd, num_points)
+    weights = np.zeros((1 + 2 * n, 1 + 2 * n))
+    weights[1 : n + 1, 0] = 1.0
+    weights[n + 1 :, 1 : n + 1] = np.eye(n)
+    observed = np.arange(n + 1, 2 * n + 1)
+    log_joint, firsts, seconds = [], [], []
+    for log_tau in grid:
+        noise = np.r_[FUNNEL_MU_SD**2, np.full(n, math.exp(2 * log_tau)), np.square(FUNNEL_SIGMA)]
+        mean, cov = linear_gaussian_moments(weights, noise)
+        log_prior = -0.5 * ((log_tau - loc) / sd) ** 2 - math.log(sd * math.sqrt(2 * math.pi))
+        log_joint.append(log_prior + linear_gaussian_log_marginal(y, observed, mean, cov))
+        post_mean, post_cov = gaussian_posterior(y, observed, mean, cov)
+        firsts.append(np.r_[post_mean[0], log_tau, post_mean[1:]])
+        seconds.append(
+            np.r_[post_mean[0] ** 2 + post_cov[0, 0], log_tau**2, post_mean[1:] ** 2 + np.diag(post_cov)[1:]]
+        )
+    log_joint = np.array(log_joint)
+    step = grid[1] - grid[0]
+    trapezoid = np.full(num_points, step)
+    trapezoid[[0, -1]] /= 2
+    peak = log_joint.max()
+    mass = np.exp(log_joint - peak) * trapezoid
+    log_px = peak + math.log(mass.sum())
+    posterior = mass / mass.sum()
+    first, second = posterior @ np.array(firsts), posterior @ np.array(seconds)
+    return {"log_px": log_px, "mean": first, "sd": np.sqrt(second - first**2)}

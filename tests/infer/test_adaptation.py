@@ -23,6 +23,7 @@ from pyro_tmc.infer.adaptive_proposal import AdaptiveProposal
 from tests.common.adaptation_models import (
     CHAIN_STEPS,
     COUNTS,
+    FUNNEL_Y,
     SUCCESSES,
     chain_data,
     chain_posterior,
@@ -31,6 +32,8 @@ from tests.common.adaptation_models import (
     conjugate_log_px,
     conjugate_model,
     conjugate_posteriors,
+    funnel_exact,
+    funnel_model,
     toy_posterior,
 )
 from tests.common.models import (
@@ -134,6 +137,59 @@ def test_adapted_schools_match_the_exact_posterior(float64):
     )
     z_mean, z_sd = _worst_z(result, ["mu", "theta"], post_mean, np.sqrt(np.diag(post_cov)))
     assert z_mean < 4 and z_sd < 4, (z_mean, z_sd)
+
+
+# -- a funnel: the locals' scales follow the global scale ----------------------------------------
+
+
+def test_adapted_funnel_scales_follow_the_global_scale(float64):
+    """
+    theta_i | log_tau ~ N(0, tau^2) with no data: adapted from the prior through TMC's weighted
+    draws, theta's log-scale has slope 1 on log tau and is log tau at the centre (after the
+    widening's log 1.2). Measured over seeds 0-9 with these settings: the slopes' sd 0.032 (worst
+    error of 40: 0.073), the log-scale at the centre's sd 0.026 (worst 0.055).
+    """
+
+    def model():
+        log_tau = pyro.sample("log_tau", dist.Normal(0.0, 1.0))
+        with pyro.plate("elements", 4):
+            pyro.sample("theta", dist.Normal(0.0, log_tau.exp()))
+
+    pyro.set_rng_seed(0)
+    adapted = adapt(model, AdaptiveProposal(model, num_prior_draws=200), num_samples=16, rounds=3, draws=10)
+    local = adapted.local_proposals["theta"]
+    slopes = local.log_scale.slopes.reshape(-1)
+    assert torch.all((slopes - 1).abs() < 0.15), slopes
+    at_centre = local.scale.reshape(-1).log() - math.log(WIDEN_LOCALS) - local.log_scale.centre[:, 0]
+    assert torch.all(at_centre.abs() < 0.12), at_centre
+
+
+@pytest.mark.slow
+def test_adapted_funnel_matches_the_exact_posterior(float64):
+    """
+    Eight schools with the group's log sd unknown (theta's conditional sd grows with tau): the
+    adapted proposal's scale follows log tau, and under it E[P_TMC] = p(y) (the heteroscedastic
+    proposal's density is right) and posterior_moments (K = 32, 100 draws) match the exact posterior
+    (quadrature over log tau). Measured over seeds 0-3: the slopes on log tau 0.82-1.21, the worst
+    z-scores 0.8-2.3 (means) and 1.1-3.8 (sds) over the 10 dims; with constant scales the means'
+    standard errors were 7-53% larger and the sds' z-scores reached 4.1.
+    """
+    pyro.set_rng_seed(0)
+    y = torch.tensor(FUNNEL_Y)
+    exact = funnel_exact()
+    adapted = adapt(funnel_model, AdaptiveProposal(funnel_model, y), y, num_samples=16, rounds=4)
+    slopes = adapted.local_proposals["theta"].log_scale.slopes[
+        ..., 0, 1
+    ]  # on log tau (the globals: mu, log_tau)
+    assert torch.all(slopes > 0.5), slopes
+    result = posterior_moments(
+        TMC_ELBO(num_samples=32, max_plate_nesting=1), funnel_model, adapted, y, num_draws=100
+    )
+    ratios = (result.log_evidences - exact["log_px"]).exp()
+    error = float(ratios.std() / math.sqrt(len(ratios)))
+    assert abs(float(ratios.mean()) - 1) < 4 * error, (float(ratios.mean()), error)
+    z_mean, z_sd = _worst_z(result, ["mu", "log_tau", "theta"], exact["mean"], exact["sd"])
+    assert z_mean < 4 and z_sd < 4.5, (z_mean, z_sd)
 
 
 def test_the_globals_take_their_own_k(float64):
