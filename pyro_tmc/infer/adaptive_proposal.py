@@ -442,6 +442,39 @@ class AdaptiveProposal:
             return None
         return torch.cat([columns[g.name].reshape(columns[g.name].shape[0], -1) for g in self.globals], -1)
 
+    def fitted_to_gaussian(
+        self,
+        approximation,
+        widen_globals: float = 1.0,
+        widen_locals: float = 1.0,
+        df: Optional[float] = DEFAULT_DF,
+    ) -> "AdaptiveProposal":
+        """
+        A new proposal read exactly from a Gaussian over every covered coordinate (a
+        :class:`~pyro_tmc.infer.laplace.GaussianApproximation`, e.g. the Laplace approximation):
+        the globals its marginal, each local its Gaussian conditional given the globals and its
+        parents (:func:`~pyro_tmc.infer.laplace.gaussian_proposals`), no sampling.
+
+        :param float widen_globals: the factor on the globals' sds.
+        :param float widen_locals: the factor on each local's conditional sd.
+        :param df: the globals' Student-t degrees of freedom, or ``None`` for a Normal.
+        """
+        from pyro_tmc.infer.laplace import gaussian_proposals
+
+        global_part, locals_part = gaussian_proposals(self, approximation, widen_globals, widen_locals)
+        global_proposal = self.global_proposal
+        if global_part is not None:
+            global_proposal = GlobalProposal(global_part[0].to(_dtype()), global_part[1].to(_dtype()), df)
+        local_proposals = {
+            name: LocalProposal(
+                intercept.to(_dtype()),
+                None if coefficients is None else coefficients.to(_dtype()),
+                scale.to(_dtype()),
+            )
+            for name, (intercept, coefficients, scale) in locals_part.items()
+        }
+        return self._copy(global_proposal, local_proposals)
+
     def fitted_to_moments(
         self,
         global_samples: Optional[dict[str, torch.Tensor]],

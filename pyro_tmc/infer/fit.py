@@ -30,7 +30,7 @@ from pyro.infer.autoguide import AutoNormal
 
 from pyro_tmc.infer.adaptation import WIDEN_GLOBALS, WIDEN_LOCALS, adapt
 from pyro_tmc.infer.adaptive_proposal import AdaptiveProposal
-from pyro_tmc.infer.laplace import gaussian_start, laplace_approximation, proposal_mean
+from pyro_tmc.infer.laplace import laplace_approximation, proposal_mean
 from pyro_tmc.infer.tmc_elbo import TMC_ELBO
 from pyro_tmc.infer.tmc_posterior import TMCPosterior, read_draw
 from pyro_tmc.poutine.particle_group import particle_group
@@ -222,7 +222,7 @@ def laplace_started(model, proposal: AdaptiveProposal, args, kwargs, measure: Ca
     df = proposal.global_proposal.df if proposal.globals else None
     if df is not None:
         df = max(df, float(num_globals))
-    candidate = gaussian_start(proposal, approximation, globals_widening(num_globals), WIDEN_LOCALS, df)
+    candidate = proposal.fitted_to_gaussian(approximation, globals_widening(num_globals), WIDEN_LOCALS, df)
     return candidate if measure(candidate) > measure(proposal) else proposal
 
 

@@ -267,33 +267,3 @@ def _conditional(mean, covariance, target, regressors, widen: float):
     explained = (coefficients * cross).sum(-1)
     variance = (target_variance - explained).clamp(min=1e-12 * target_variance.clamp(min=1e-300))
     return intercept, coefficients, widen * variance.sqrt()
-
-
-def gaussian_start(
-    proposal,
-    approximation: GaussianApproximation,
-    widen_globals: float,
-    widen_locals: float,
-    df: Optional[float],
-):
-    """
-    ``proposal``'s structure with the parameters of :func:`gaussian_proposals` (``history`` empty).
-
-    :param df: the globals' Student-t degrees of freedom, or ``None`` for a Normal.
-    :rtype: AdaptiveProposal
-    """
-    from pyro_tmc.infer.adaptive_proposal import GlobalProposal, LocalProposal, _dtype
-
-    global_part, locals_part = gaussian_proposals(proposal, approximation, widen_globals, widen_locals)
-    global_proposal = proposal.global_proposal
-    if global_part is not None:
-        global_proposal = GlobalProposal(global_part[0].to(_dtype()), global_part[1].to(_dtype()), df)
-    local_proposals = {
-        name: LocalProposal(
-            intercept.to(_dtype()),
-            None if coefficients is None else coefficients.to(_dtype()),
-            scale.to(_dtype()),
-        )
-        for name, (intercept, coefficients, scale) in locals_part.items()
-    }
-    return proposal._copy(global_proposal, local_proposals)
