@@ -57,7 +57,7 @@ from pyro import poutine
 from pyro.poutine.util import prune_subsample_sites
 
 from pyro_tmc.infer.posterior import marginals_and_log_estimate, sample_posterior
-from pyro_tmc.infer.qem_elementwise import elementwise_statistics, is_elementwise_site
+from pyro_tmc.infer.qem_elementwise import MAX_AUTO_ELEMENTS, elementwise_statistics, is_elementwise_site
 from pyro_tmc.infer.tmc_elbo import TMC_ELBO
 from pyro_tmc.poutine.sites import is_latent, plate_frames
 
@@ -478,8 +478,11 @@ class QEM:
     :param max_plate_nesting: as in every Pyro ELBO.
     :param elementwise: the vector sites whose moments are read element by element from their
         full conditionals (:mod:`pyro_tmc.infer.qem_elementwise`) rather than from TMC's joint
-        weights of whole vectors: ``"auto"`` (every site outside plates with more than one element
-        and an element-wise family), ``False`` (none), or a list of site names.
+        weights of whole vectors: ``"auto"`` (the default: every site outside plates with 2 to
+        :data:`~pyro_tmc.infer.qem_elementwise.MAX_AUTO_ELEMENTS` elements and an element-wise
+        family), ``False`` (none), or a list of site names. Each step then also draws
+        ``num_references`` joint samples from the TMC posterior and runs the model, vectorised, at
+        ``num_references x (D num_candidates + 1)`` values of each such site of D elements.
     :param int num_references: the joint posterior draws the element-wise moments average over.
     :param int num_candidates: each element's proposals per reference draw (default: ``num_samples``).
     :param tmc_options: other :class:`~pyro_tmc.TMC_ELBO` arguments (``proposal``, ...).
@@ -492,7 +495,7 @@ class QEM:
         lr: Union[float, Callable[[int], float]] = 0.1,
         num_samples: int = 16,
         max_plate_nesting: float = float("inf"),
-        elementwise: Union[str, bool, list[str]] = False,
+        elementwise: Union[str, bool, list[str]] = "auto",
         num_references: int = 4,
         num_candidates: Optional[int] = None,
         **tmc_options,
@@ -536,7 +539,11 @@ class QEM:
         """The guide sites whose moments are read element by element (after the guide's setup)."""
         if self._elementwise_names is None:
             if self.elementwise in ("auto", True):
-                names = [name for name in self.guide.sites if is_elementwise_site(self.guide, name)]
+                names = [
+                    name
+                    for name in self.guide.sites
+                    if is_elementwise_site(self.guide, name, MAX_AUTO_ELEMENTS)
+                ]
             elif self.elementwise is False:
                 names = []
             else:
