@@ -55,6 +55,8 @@ from pyro.ops.provenance import get_provenance
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.runtime import Message
 
+from pyro_tmc.poutine.sites import plate_nesting
+
 #: the auxiliary site that holds the globals' unconstrained values
 GLOBALS_SITE = "_adaptive_globals"
 #: the default degrees of freedom of the globals' Student-t (measured: see ``fitted``)
@@ -253,7 +255,7 @@ class AdaptiveProposal:
         #: what :func:`~pyro_tmc.infer.adaptation.adapt` measured in each round (empty if not adapted)
         self.history: list = []
         trace, parents = _prior_trace_with_parents(model, args, kwargs)
-        self.max_plate_nesting = _plate_nesting(trace) if max_plate_nesting is None else max_plate_nesting
+        self.max_plate_nesting = plate_nesting(trace) if max_plate_nesting is None else max_plate_nesting
         self.globals: list[SiteLayout] = []
         self.locals: list[SiteLayout] = []
         for site in trace.nodes.values():
@@ -822,18 +824,6 @@ def _layout(site) -> SiteLayout:
     event_shape = fn.event_shape
     unconstrained = transform.inv.forward_shape(event_shape) if event_shape else event_shape
     return SiteLayout(site["name"], transform, fn.batch_shape, event_shape, torch.Size(unconstrained))
-
-
-def _plate_nesting(trace) -> int:
-    """The deepest plate dim (or batch dim) of any sample site of the trace."""
-    deepest = 0
-    for site in trace.nodes.values():
-        if _is_distribution_site(site):
-            deepest = max(deepest, len(site["fn"].batch_shape))
-            deepest = max(
-                [deepest] + [-f.dim for f in site["cond_indep_stack"] if f.vectorized and f.dim is not None]
-            )
-    return deepest
 
 
 def _prior_trace_with_parents(model, args, kwargs):

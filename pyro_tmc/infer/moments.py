@@ -97,7 +97,8 @@ def posterior_moments(
     log_evidences = torch.stack(log_evidences)
     weights = _draw_weights(log_evidences, weighting)
     sites = OrderedDict(
-        (name, _pooled(torch.stack(firsts[name]), torch.stack(seconds[name]), weights)) for name in firsts
+        (name, pool_moments(torch.stack(firsts[name]), torch.stack(seconds[name]), weights))
+        for name in firsts
     )
     effective = float(weights.sum().square() / weights.square().sum())
     return PooledMoments(sites, log_evidences, effective)
@@ -109,7 +110,7 @@ def _draw_weights(log_evidences: torch.Tensor, weighting: str) -> torch.Tensor:
     return torch.softmax(log_evidences, 0)
 
 
-def _pooled(firsts: torch.Tensor, seconds: torch.Tensor, weights: torch.Tensor) -> PosteriorMoments:
+def pool_moments(firsts: torch.Tensor, seconds: torch.Tensor, weights: torch.Tensor) -> PosteriorMoments:
     """Weighted moments over the draws (dim 0), with the ratio estimator's standard errors."""
     weights = weights.to(firsts.dtype).reshape((-1,) + (1,) * (firsts.dim() - 1))
     first = (weights * firsts).sum(0)

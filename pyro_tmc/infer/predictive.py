@@ -44,7 +44,7 @@ from pyro.poutine import Trace
 from pyro.poutine.messenger import Messenger
 
 from pyro_tmc.infer.tmc_elbo import TMC_ELBO
-from pyro_tmc.poutine.sites import is_latent, plate_frames
+from pyro_tmc.poutine.sites import is_latent, plate_frames, plate_nesting
 
 #: the plate that holds the posterior draws in the test run
 DRAWS_PLATE = "_predictive_draws"
@@ -163,10 +163,10 @@ def predictive_log_likelihood(
     num_draws = _count_draws(posterior_samples)
     with torch.no_grad():
         trial = pyro.poutine.trace(model).get_trace(*args, **kwargs)
-    nesting = _plate_nesting(trial) if max_plate_nesting is None else max_plate_nesting
+    nesting = plate_nesting(trial) if max_plate_nesting is None else max_plate_nesting
     local = _local_plates(trial, posterior_samples, local_plates)
     fixed = {
-        name: _batched_over_draws(posterior_samples[name], site, nesting)
+        name: batched_over_draws(posterior_samples[name], site, nesting)
         for name, site in trial.nodes.items()
         if is_latent(site) and name in posterior_samples and not (_plate_names(site) & local)
     }
@@ -255,16 +255,6 @@ def _plate_names(site: dict) -> frozenset[str]:
     return frozenset(frame.name for frame in plate_frames(site))
 
 
-def _plate_nesting(trace: Trace) -> int:
-    dims = [
-        -frame.dim
-        for site in trace.nodes.values()
-        if site["type"] == "sample"
-        for frame in plate_frames(site)
-    ]
-    return max(dims, default=0)
-
-
 def _count_draws(posterior_samples: dict[str, torch.Tensor]) -> int:
     counts = {name: value.shape[0] for name, value in posterior_samples.items() if value.dim() > 0}
     if not counts or len(set(counts.values())) != 1:
@@ -302,7 +292,7 @@ def _local_plates(trial: Trace, posterior_samples, local_plates) -> frozenset[st
     return frozenset(changed)
 
 
-def _batched_over_draws(value: torch.Tensor, site: dict, nesting: int) -> torch.Tensor:
+def batched_over_draws(value: torch.Tensor, site: dict, nesting: int) -> torch.Tensor:
     """A site's draws, ``(S,) + plate shape + event``, shaped for the draws' plate (dim ``-nesting - 1``)."""
     event_dim = site["fn"].event_dim
     plate_ndim = value.dim() - 1 - event_dim

@@ -32,19 +32,18 @@ import torch
 import pyro
 
 from pyro_tmc.infer.diagnostics import effective_sample_size, pareto_khat
-from pyro_tmc.infer.moments import PosteriorMoments, _pooled
+from pyro_tmc.infer.moments import PosteriorMoments, pool_moments
 from pyro_tmc.infer.posterior import marginals_and_log_estimate
 from pyro_tmc.infer.predictive import (
     DRAWS_PLATE,
     FixedSites,
     PosteriorDraws,
     PredictiveLogLikelihood,
-    _batched_over_draws,
-    _plate_nesting,
+    batched_over_draws,
     predictive_log_likelihood,
 )
 from pyro_tmc.ops.resampling import systematic_resample
-from pyro_tmc.poutine.sites import is_summed_exactly
+from pyro_tmc.poutine.sites import is_summed_exactly, plate_nesting
 
 #: k-hat above this says "do not trust" (the PSIS paper's bound for any sample size: beyond it the
 #: importance ratios' variance is infinite in all but name, and more draws barely help)
@@ -176,7 +175,7 @@ class TMCPosterior:
         if self._moments is None:
             weights = self.draw_weights
             self._moments = OrderedDict(
-                (name, _pooled(self._stacked("firsts", name), self._stacked("seconds", name), weights))
+                (name, pool_moments(self._stacked("firsts", name), self._stacked("seconds", name), weights))
                 for name in self.draws[0].firsts
             )
         return self._moments
@@ -259,9 +258,9 @@ class TMCPosterior:
         num_samples = next(iter(samples.values())).shape[0]
         with torch.no_grad():
             trial = pyro.poutine.trace(self.model).get_trace(*self.args, **self.kwargs)
-            nesting = _plate_nesting(trial)
+            nesting = plate_nesting(trial)
             fixed = {
-                name: _batched_over_draws(samples[name], site, nesting)
+                name: batched_over_draws(samples[name], site, nesting)
                 for name, site in trial.nodes.items()
                 if name in samples and site["type"] == "sample" and not site["is_observed"]
             }

@@ -172,6 +172,20 @@ def plate_frames(site) -> list:
     return [frame for frame in site["cond_indep_stack"] if frame.vectorized]
 
 
+def plate_nesting(trace: Trace) -> int:
+    """
+    The deepest batch dim of any sample site of ``trace``: its plates' dims, and batch dims outside
+    any plate (a ``Normal(torch.zeros(3), 1)`` without ``to_event``), which a new plate must also
+    sit left of. What ``max_plate_nesting`` must be at least, read from one run.
+    """
+    deepest = 0
+    for site in trace.nodes.values():
+        if site["type"] != "sample" or not hasattr(site["fn"], "batch_shape"):
+            continue
+        deepest = max([deepest, len(site["fn"].batch_shape)] + [-frame.dim for frame in plate_frames(site)])
+    return deepest
+
+
 def plate_symbols(site, trace: Trace) -> frozenset:
     """The packed symbols of the site's vectorized plates."""
     return frozenset(trace.plate_to_symbol[f.name] for f in site["cond_indep_stack"] if f.vectorized)
