@@ -31,6 +31,11 @@ from torch._ops import HigherOrderOperator, OpOverload
 # fake tensors with a shape environment, for that tracing context
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+# autograd replays a view's own operations (not as_strided) in the backward of a write into it, as
+# it does for fake tensors: a recorded step's backward is then the graph make_fx traces
+# (compile/recording.py)
+from torch.autograd.grad_mode import _force_original_view_tracking as original_view_tracking
+
 # a transform's inverse (``t.inv``) holds ``t`` and nothing else: the plan cache's key walks into
 # it, not into another transform's weak reference to its inverse (compile/compiled.py)
 from torch.distributions.transforms import _InverseTransform as InverseTransform
@@ -65,6 +70,7 @@ __all__ = [
     "load_inductor_tracing",
     "make_fx",
     "missing_private_names",
+    "original_view_tracking",
     "schema_of",
     "tracing",
     "tree_flatten",

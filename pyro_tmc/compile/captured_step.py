@@ -5,7 +5,8 @@ costs at least the Python of every sample statement, whatever the tensor work.
 With ``TMC_ELBO(compile=...)``, :meth:`~pyro.infer.ELBO.loss_and_grads` is
 captured instead: the guide under ``tmc``, the model against its particles, the
 estimate and its gradients are traced by ``make_fx`` (with fake tensors) into one
-graph of tensor operations. Its inputs are the param store's unconstrained
+graph of tensor operations, or recorded as they run on real tensors where that is sure to
+give the same graph, at a tenth of the cost (:mod:`pyro_tmc.compile.recording`). Its inputs are the param store's unconstrained
 tensors and the tensors among the step's arguments; its random draws are
 operations of the graph, so each replay draws afresh from torch's generator and
 ``pyro.set_rng_seed`` makes a run reproducible. The graph is replayed at later
@@ -87,8 +88,15 @@ from pyro_tmc.compile.forward_trace import (
     as_leaves,
     custom_backward,
     derive_backward,
+    with_gradients,
 )
-from pyro_tmc.compile.loop_rolling import count_groups, count_operations, roll, rolled_runner
+from pyro_tmc.compile.loop_rolling import (
+    count_groups,
+    count_operations,
+    graph_constants,
+    roll,
+    rolled_runner,
+)
 from pyro_tmc.compile.phase_times import (
     COMPILE,
     EAGER,
@@ -99,6 +107,7 @@ from pyro_tmc.compile.phase_times import (
     PhaseTimes,
     timed,
 )
+from pyro_tmc.compile.recording import record
 from pyro_tmc.ops.capture import (
     RepairCount,
     any_flag,
@@ -297,6 +306,7 @@ def capture_step(
     batch_draws: bool = False,
     roll_at_most: float = CompileConfig.roll_at_most,
     times: Optional[PhaseTimes] = None,
+    record_graphs: bool = True,
 ) -> "Capture":
     """
     Trace ``differentiable_loss(*args, **kwargs)`` and its gradient with respect
@@ -317,6 +327,8 @@ def capture_step(
     :param float roll_at_most: roll a forward whose groups are at most this share of its
         operations (``CompileConfig.roll_at_most``).
     :param PhaseTimes times: where each phase's seconds are added (``None``: not timed).
+    :param bool record_graphs: record the graphs on real tensors where that gives the trace's
+        (:mod:`pyro_tmc.compile.recording`; ``CompileConfig.record_graphs``); else trace them.
 
     :returns: the graphs, and the structure the trace recorded.
     :raises GraphFallback: where tracing fails (a branch on values, a tensor read
@@ -348,12 +360,25 @@ def capture_step(
         recorded.append(recorder.record)
         return loss, underflow
 
-    def forward(*inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        marks.append(GradModeMarks())
-        with marks[-1], HookWatch() as hooks:
+    def watched(*inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with HookWatch() as hooks:
             loss, underflow = run_loss(*inputs)
         own_backward.append(hooks.hooked or (loss.requires_grad and custom_backward(loss) is not None))
         return loss, underflow
+
+    def forward(*inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        marks.append(GradModeMarks())
+        with marks[-1]:
+            return watched(*inputs)
+
+    def trace_forward() -> torch.fx.GraphModule:
+        # recorded on real tensors where that is sure to give the trace's graph; else traced
+        recording = record(watched, inputs, num_params, _rng_of(inputs)) if record_graphs else None
+        if recording is not None and recording.graph is not None:
+            return recording.graph
+        recorded.clear()
+        own_backward.clear()
+        return make_fx(forward, tracing_mode="fake")(*as_leaves(inputs, num_params))
 
     inputs = params + arguments + current_buffers(buffers)
     try:
@@ -361,18 +386,26 @@ def capture_step(
         # step's graph is rewritten by rolling and may never run (tens of thousands of operations)
         with use_lazy_graph_module(True):
             with timed(times, TRACE_FORWARD):
-                forward_graph = make_fx(forward, tracing_mode="fake")(*as_leaves(inputs, num_params))
+                forward_graph = trace_forward()
             _check_buffers_read_only(forward_graph, buffers, num_params + num_arguments)
             if not own_backward[-1]:
                 program = _backward_of(
-                    forward_graph, inputs, num_params, roll_above, batch_draws, roll_at_most, times
+                    forward_graph,
+                    inputs,
+                    num_params,
+                    roll_above,
+                    batch_draws,
+                    roll_at_most,
+                    times,
+                    record_graphs,
                 )
                 return Capture(program, forward_graph, recorded[0], buffers)
             # its own backward, as autograd runs it: about three operations per forward one
             with timed(times, TRACE_BACKWARD):
                 whole = derive_backward(run_loss, inputs, num_params)
             with timed(times, ROLL_STEP):
-                program = _rolled(whole, inputs, None if roll_above is None else 3 * roll_above, batch_draws)
+                longer = None if roll_above is None else 3 * roll_above
+                program = _rolled(whole, inputs, longer, batch_draws, record_graphs)
             return Capture(program, whole, recorded[0], buffers)
     except GraphFallback:
         raise
@@ -442,6 +475,7 @@ def _backward_of(
     batch_draws: bool,
     roll_at_most: float,
     times: Optional[PhaseTimes] = None,
+    record_graphs: bool = True,
 ) -> torch.fx.GraphModule:
     """
     The whole step's graph from its traced forward: the forward rolled where it has
@@ -458,19 +492,60 @@ def _backward_of(
                 # autograd's backward of the rolled forward still has a few per-step leftovers (the
                 # zero gradients of an unbind's unused outputs): rolled in turn
                 with timed(times, TRACE_BACKWARD):
-                    whole = derive_backward(runner, inputs, num_params)
+                    whole = _derived(
+                        runner, inputs, num_params, graph_constants(runner.module), record_graphs
+                    )
                 with timed(times, ROLL_STEP):
-                    graph = _rolled(whole, inputs, roll_above, batch_draws)
+                    graph = _rolled(whole, inputs, roll_above, batch_draws, record_graphs)
                 graph.meta[ROLLED_FROM] = operations
                 return graph
         except Exception as error:  # the unrolled graph is always right
             _warn_not_rolled(error)
     with timed(times, TRACE_BACKWARD):
-        return derive_backward(InGradModes(forward).run, inputs, num_params)
+        return _derived(InGradModes(forward).run, inputs, num_params, graph_constants(forward), record_graphs)
+
+
+def _derived(
+    forward: Callable,
+    inputs: list[torch.Tensor],
+    num_params: int,
+    constants: list[torch.Tensor],
+    record_graphs: bool = True,
+) -> torch.fx.GraphModule:
+    """
+    :func:`~pyro_tmc.compile.forward_trace.derive_backward` of a traced forward, recorded on the
+    real inputs where that gives its graph (:mod:`pyro_tmc.compile.recording`), else traced.
+
+    :param constants: the forward graph's constants, which its runner reads.
+    :param bool record_graphs: ``False``: trace it, never record.
+    """
+    if record_graphs:
+        gradients = with_gradients(forward, num_params)
+        recording = record(gradients, inputs, num_params, _rng_of(inputs), constants)
+        if recording.graph is not None:
+            return recording.graph
+    return derive_backward(forward, inputs, num_params)
+
+
+def _recorded_rolled(runner: Callable, inputs: list[torch.Tensor]) -> torch.fx.GraphModule:
+    """A rolled runner as one graph (:func:`~pyro_tmc.compile.loop_rolling.roll`): recorded, else traced."""
+    recording = record(runner, inputs, 0, _rng_of(inputs), graph_constants(runner.module))
+    if recording.graph is not None:
+        return recording.graph
+    return make_fx(runner, tracing_mode="fake")(*inputs)
+
+
+def _rng_of(tensors: list[torch.Tensor]) -> tuple[Callable, Callable]:
+    """``(get_state, set_state)`` of the generators a step on these tensors draws from."""
+    return (lambda: _rng_state(tensors), _set_rng_state)
 
 
 def _rolled(
-    graph: torch.fx.GraphModule, inputs: list[torch.Tensor], roll_above: Optional[int], batch_draws: bool
+    graph: torch.fx.GraphModule,
+    inputs: list[torch.Tensor],
+    roll_above: Optional[int],
+    batch_draws: bool,
+    record_graphs: bool = True,
 ) -> torch.fx.GraphModule:
     """
     A whole step's graph, backward included, rolled (:func:`pyro_tmc.compile.loop_rolling.roll`)
@@ -480,7 +555,7 @@ def _rolled(
     if roll_above is None or count_operations(graph) <= roll_above:
         return graph
     try:
-        rolled = roll(graph, inputs, batch_draws)
+        rolled = roll(graph, inputs, batch_draws, trace=_recorded_rolled if record_graphs else None)
     except Exception as error:  # the unrolled graph is always right
         _warn_not_rolled(error)
         return graph
@@ -713,6 +788,7 @@ class StepProgram:
                 batch_draws=batches_draws(self.batch_draws, self.mode, devices),
                 roll_at_most=self.config.roll_at_most,
                 times=times,
+                record_graphs=self.config.record_graphs,
             )
         except GraphFallback as reason:
             self._steps[key] = CapturedStep(None, None, names, [], [])

@@ -61,6 +61,12 @@ class CompileConfig:
     #: compiles on CUDA, where each of a chain's N draws would stay an operation and a kernel of
     #: its own (Fig. 4's 1,000-link chain: 3,339 operations against 2,340 on an H200)
     batch_draws: Optional[bool] = None
+    #: record a capture's graphs as the step runs on real tensors (:mod:`pyro_tmc.compile.recording`)
+    #: wherever that is sure to give ``make_fx``'s graph, rather than trace them with fake
+    #: tensors: the capture of the enumerated HMM of 200 steps took 3.1 s, not 16.5 s (same
+    #: process, same graph but for a few operations; docs/performance.md, "Seconds to the first
+    #: steps"). ``False``: always ``make_fx``, as before
+    record_graphs: bool = True
     #: an uncompiled replay slower than the eager step gives way to it: replaying decomposed
     #: operations one by one, backward included, is slower than eager for a step of a few
     #: stacked densities

@@ -143,15 +143,11 @@ class InGradModes(Interpreter):
             return super().run_node(node)
 
 
-def derive_backward(forward: Callable, inputs: Sequence[torch.Tensor], num_params: int) -> GraphModule:
+def with_gradients(forward: Callable, num_params: int) -> Callable:
     """
-    Trace ``(params..., arguments...) -> (loss, underflow, grads...)``: ``forward``
+    ``(params..., arguments...) -> (loss, underflow, grads...)``: ``forward``
     (``-> (loss, underflow)``) run under autograd, and the loss's gradient with
     respect to the first ``num_params`` inputs (zeros where it does not depend on one).
-
-    :param forward: the traced forward, run by :class:`InGradModes` or a
-        :class:`~pyro_tmc.compile.loop_rolling.RolledStep` (which keeps the grad modes too).
-    :param inputs: example inputs (traced as fake tensors).
     """
 
     def step(*inputs: torch.Tensor):
@@ -163,7 +159,19 @@ def derive_backward(forward: Callable, inputs: Sequence[torch.Tensor], num_param
         grads = [torch.zeros_like(p) if g is None else g for p, g in zip(leaves, grads)]
         return (loss.detach(), underflow, *grads)
 
-    return make_fx(step, tracing_mode="fake")(*as_leaves(inputs, num_params))
+    return step
+
+
+def derive_backward(forward: Callable, inputs: Sequence[torch.Tensor], num_params: int) -> GraphModule:
+    """
+    Trace :func:`with_gradients` of ``forward`` (``-> (loss, underflow)``): ``(params...,
+    arguments...) -> (loss, underflow, grads...)``.
+
+    :param forward: the traced forward, run by :class:`InGradModes` or a
+        :class:`~pyro_tmc.compile.loop_rolling.RolledStep` (which keeps the grad modes too).
+    :param inputs: example inputs (traced as fake tensors).
+    """
+    return make_fx(with_gradients(forward, num_params), tracing_mode="fake")(*as_leaves(inputs, num_params))
 
 
 def as_leaves(inputs: Sequence[torch.Tensor], num_params: int) -> list[torch.Tensor]:

@@ -956,7 +956,10 @@ def count_groups(runner: RolledStep) -> int:
 
 
 def roll(
-    module: GraphModule, example_inputs: Sequence[torch.Tensor], batch_draws: bool = False
+    module: GraphModule,
+    example_inputs: Sequence[torch.Tensor],
+    batch_draws: bool = False,
+    trace: Optional[Callable[[Callable, Sequence[torch.Tensor]], GraphModule]] = None,
 ) -> GraphModule:
     """
     The rolled graph of a captured step, its backward included (see the module
@@ -966,11 +969,26 @@ def roll(
     :param module: a graph traced by ``make_fx``.
     :param example_inputs: inputs of the right shapes (traced as fake tensors; not run).
     :param bool batch_draws: see :func:`plan_groups`.
+    :param trace: ``(runner, example_inputs) -> graph``, how the rolled runner is traced
+        (``None``: ``make_fx`` with fake tensors).
     """
     runner = rolled_runner(module, batch_draws)
     # the step's backward is in its graph already, as operations: tracing them needs no autograd
     with torch.no_grad():
-        rolled = make_fx(runner, tracing_mode="fake")(*example_inputs)
+        rolled = (trace or _fake_trace)(runner, example_inputs)
     rolled.graph.eliminate_dead_code()
     rolled.recompile()
     return rolled
+
+
+def _fake_trace(function: Callable, example_inputs: Sequence[torch.Tensor]) -> GraphModule:
+    return make_fx(function, tracing_mode="fake")(*example_inputs)
+
+
+def graph_constants(module: GraphModule) -> list[torch.Tensor]:
+    """The tensors a graph reads by ``get_attr`` (its constants): what its runner reads besides its inputs."""
+    return [
+        value
+        for node in module.graph.nodes
+        if node.op == "get_attr" and isinstance(value := getattr(module, node.target), torch.Tensor)
+    ]
