@@ -3,6 +3,7 @@
     python benchmarks/first_step.py                               # every case, CPU, 1 thread
     python benchmarks/first_step.py --cases hmm200 --modes inductor
     python benchmarks/first_step.py --warm                        # inductor's caches filled first
+    python benchmarks/first_step.py --modes graph-traced,graph    # make_fx's traces against recordings
 
 Cases (one ``loss_and_grads`` of ``TMC_ELBO`` per step):
 
@@ -15,6 +16,11 @@ Cases (one ``loss_and_grads`` of ``TMC_ELBO`` per step):
   project's shared ``peers/numpyro_hmm/``: ``obs_T200.npy``, ``obs_T1000.npy``, float32
   ``T x 16 x 3``; ``locs.npy``, the initial means; the transitions start uniform).
 - ``chain1000``: the paper's Fig. 4 chain, N=1000, K=32, as ``frontier.py`` writes it.
+
+A mode ending in ``-traced`` is that mode with ``CompileConfig(record_graphs=False)``: every graph
+of the capture traced by ``make_fx`` with fake tensors, as before the capture recorded them on
+real tensors (:mod:`pyro_tmc.compile.recording`); the table ends with each case's ratios,
+traced over recorded, of the first steps and of each phase.
 
 Each case and mode runs in a child process of its own, with cold inductor caches (a fresh
 ``TORCHINDUCTOR_CACHE_DIR``; ``--warm`` runs it once before, into the same directory): the
@@ -49,6 +55,8 @@ NUM_STATES = 4
 EXACT = {200: 16673.627, 1000: 83009.370}
 CASES = ("hmm200", "hmm1000", "chain1000")
 MODES = ("graph", "inductor", "numpyro")
+#: a pyro_tmc mode with this suffix traces every graph with make_fx (``record_graphs=False``)
+TRACED = "-traced"
 FIRST_CALLS = 8
 TIMED_STEPS = 20
 
@@ -96,20 +104,24 @@ def make_hmm(initial_locs):
 
 
 def pyro_tmc_case(case: str, mode: str):
-    """``(loss, model, guide, args)`` of a case under ``TMC_ELBO(compile=mode)``."""
+    """``(loss, model, guide, args)`` of a case under ``TMC_ELBO(compile=mode)`` (``-traced``: see above)."""
     from pyro_tmc import TMC_ELBO
+    from pyro_tmc.compile import CompileConfig
 
+    options = CompileConfig(record_graphs=not mode.endswith(TRACED))
+    mode = mode.removesuffix(TRACED)
     if case.startswith("hmm"):
         observations, locs = hmm_data(int(case[3:]))
         model, guide = make_hmm(locs)
-        return TMC_ELBO(num_samples=4, max_plate_nesting=1, compile=mode), model, guide, (observations,)
+        loss = TMC_ELBO(num_samples=4, max_plate_nesting=1, compile=mode, compile_options=options)
+        return loss, model, guide, (observations,)
     import torch
 
     sys.path.insert(0, HERE)
     import frontier
 
     N = int(case[len("chain") :])
-    loss = TMC_ELBO(num_samples=32, max_plate_nesting=0, compile=mode)
+    loss = TMC_ELBO(num_samples=32, max_plate_nesting=0, compile=mode, compile_options=options)
     return loss, frontier.chain_model, frontier.chain_guide, (torch.tensor(frontier.CHAIN_X), N)
 
 
@@ -256,13 +268,32 @@ def child(case: str, mode: str) -> dict:
     return run_numpyro(case) if mode == "numpyro" else run_pyro_tmc(case, mode)
 
 
+def ratios(case: str, results: dict) -> list[str]:
+    """Per pyro_tmc mode run both ways: traced over recorded, the first steps and each phase."""
+    lines = []
+    for mode, traced in results.items():
+        recorded = results.get(mode.removesuffix(TRACED)) if mode.endswith(TRACED) else None
+        if recorded is None or "error" in traced or "error" in recorded:
+            continue
+        phases = ", ".join(
+            f"{name} {seconds / recorded['phases_s'][name]:.1f}x"
+            for name, seconds in traced["phases_s"].items()
+            if recorded["phases_s"].get(name)
+        )
+        first = traced["first_steps_s"] / recorded["first_steps_s"]
+        lines.append(
+            f"{case}, {mode.removesuffix(TRACED)}: traced / recorded, first steps {first:.1f}x; {phases}"
+        )
+    return lines
+
+
 def run_child(case: str, mode: str, warm: bool, timeout: float) -> dict:
     """One case and mode in a fresh process, with its own (cold, or with ``warm`` filled) caches."""
     cache = tempfile.mkdtemp(prefix="first_step_inductor_")
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
     command = [sys.executable, os.path.abspath(__file__), "--child", case, mode]
     try:
-        for _ in range(2 if warm and mode == "inductor" else 1):
+        for _ in range(2 if warm and mode.startswith("inductor") else 1):
             done = subprocess.run(
                 command, check=False, env=env, capture_output=True, text=True, timeout=timeout
             )
@@ -299,7 +330,8 @@ def main(argv=None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {CASES}")
-    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {MODES}")
+    modes_help = f"comma-separated, of {MODES} (or a pyro_tmc one + {TRACED!r})"
+    parser.add_argument("--modes", default=",".join(MODES), help=modes_help)
     parser.add_argument("--warm", action="store_true", help="fill inductor's caches with one run first")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per case and mode")
     parser.add_argument("--child", nargs=2, metavar=("CASE", "MODE"), help=argparse.SUPPRESS)
@@ -321,12 +353,14 @@ def main(argv=None) -> None:
         flush=True,
     )
     for case in args.cases.split(","):
+        results = {}
         for mode in modes:
             if mode == "numpyro" and not case.startswith("hmm"):
                 continue
-            result = run_child(case, mode, args.warm, args.timeout)
+            result = results[mode] = run_child(case, mode, args.warm, args.timeout)
             print(row(case, mode, result), flush=True)
             notes += [f"{case}, {mode}: {message}" for message in result.get("warnings", [])]
+        notes += ratios(case, results)
     print(
         "\n".join(f"- {note}" for note in ["inductor caches: " + ("warm" if args.warm else "cold")] + notes)
     )
