@@ -508,6 +508,12 @@ class QEM:
             raise ValueError(
                 f"QEM(elementwise=...): 'auto', False or a list of site names, got {elementwise!r}."
             )
+        for option, count in (
+            ("num_references", num_references),
+            ("num_candidates", 1 if num_candidates is None else num_candidates),
+        ):
+            if not (isinstance(count, int) and count >= 1):
+                raise ValueError(f"QEM({option}=...): a positive int, got {count!r}.")
         self.model = model
         self.guide = guide
         self.lr = lr

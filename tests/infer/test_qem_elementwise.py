@@ -88,6 +88,8 @@ def test_auto_picks_the_vector_sites_outside_plates(fresh_pyro):
     assert is_elementwise_site(guide, "beta") and not is_elementwise_site(guide, "b")
     with pytest.raises(ValueError, match="elementwise"):
         QEM(regression_model, QEMGuide(regression_model), elementwise="beta")
+    with pytest.raises(ValueError, match="num_references"):
+        QEM(regression_model, QEMGuide(regression_model), num_references=0)
     pyro.clear_param_store()
     bad = QEM(regression_model, QEMGuide(regression_model), max_plate_nesting=1, elementwise=["b"])
     with pytest.raises(ValueError, match="not guide sites"):
