@@ -480,7 +480,8 @@ class QEM:
         full conditionals (:mod:`pyro_tmc.infer.qem_elementwise`) rather than from TMC's joint
         weights of whole vectors: ``"auto"`` (the default: every site outside plates with 2 to
         :data:`~pyro_tmc.infer.qem_elementwise.MAX_AUTO_ELEMENTS` elements and an element-wise
-        family), ``False`` (none), or a list of site names. Each step then also draws
+        family), ``False`` (none), or a list of site names (which may be in plates: each plate
+        element then gets its own conditionals). Each step then also draws
         ``num_references`` joint samples from the TMC posterior and runs the model, vectorised, at
         ``num_references x (D num_candidates + 1)`` values of each such site of D elements.
     :param int num_references: the joint posterior draws the element-wise moments average over.
@@ -557,12 +558,13 @@ class QEM:
                 refused = [
                     name
                     for name in names
-                    if name not in self.guide.sites or not is_elementwise_site(self.guide, name)
+                    if name not in self.guide.sites
+                    or not is_elementwise_site(self.guide, name, allow_plates=True)
                 ]
                 if refused:
                     raise ValueError(
-                        f"QEM(elementwise=...): {refused} are not guide sites outside plates with more "
-                        "than one element and an element-wise family."
+                        f"QEM(elementwise=...): {refused} are not guide sites with more than one element "
+                        "(each batch dim a plate) and an element-wise family."
                     )
             self._elementwise_names = names
         return self._elementwise_names

@@ -78,6 +78,61 @@ def test_elementwise_statistics_are_each_elements_exact_conditional_moments(fres
     assert np.all(np.abs(average - exact) < 5 * error + 1e-3), (average, exact, error)
 
 
+NUM_GROUPS, GROUP_SIZE, GROUP_COEFFICIENTS = 3, 6, 3
+
+
+def plated_model(features, y):
+    """A coefficient vector per group (in a plate), a shared intercept: the groups' vectors are
+    independent given ``b``."""
+    b = pyro.sample("b", dist.Normal(0.0, 1.0))
+    with pyro.plate("groups", y.shape[-2], dim=-2):
+        beta = pyro.sample("beta", dist.Normal(0.0, 1.0).expand([features.shape[-1]]).to_event(1))
+        with pyro.plate("data", y.shape[-1], dim=-1):
+            pyro.sample("y", dist.Normal(b + (features * beta).sum(-1), 1.0), obs=y)
+
+
+def test_a_plated_vector_sites_elements_take_their_groups_conditionals(fresh_pyro):
+    """
+    ``beta`` in plate ``groups``, one 3-vector per group: element j of group g's statistics are its
+    Gaussian conditional given group g's other elements and ``b`` (precision ``I + X_g^T X_g``, mean
+    from the residuals ``y_g - b``), from group g's factors only. 2,000 candidates, 16 repeats, the
+    tolerance 5 standard errors of their mean. Measured: largest |error| / standard error over the 18
+    statistics 2.35 (seeds 0-15), 4.04, 3.52 and 2.93 (seeds 16-31, 32-47, 48-63).
+    """
+    generator = torch.Generator().manual_seed(1)
+    features = torch.randn(NUM_GROUPS, GROUP_SIZE, GROUP_COEFFICIENTS, generator=generator)
+    y = torch.randn(NUM_GROUPS, GROUP_SIZE, generator=generator) + features[..., 0]
+    guide = QEMGuide(plated_model)
+    guide.setup(features, y)
+    assert is_elementwise_site(guide, "beta", allow_plates=True) and not is_elementwise_site(guide, "beta")
+    b = 0.4
+    drawn = torch.tensor([[0.5, -0.3, 0.2], [1.0, 0.1, -0.6], [0.0, 0.4, 0.3]])  # (G, D)
+    reference = {"b": torch.tensor([b]), "beta": drawn.reshape(1, NUM_GROUPS, 1, GROUP_COEFFICIENTS)}
+    estimates = []
+    for seed in range(16):
+        pyro.set_rng_seed(seed)
+        first, second = elementwise_statistics(
+            plated_model, guide, "beta", reference, {"b": 0, "beta": 1}, (features, y), {}, 2000, 2
+        )
+        assert first.shape == (NUM_GROUPS, 1, GROUP_COEFFICIENTS)
+        estimates.append(torch.cat([first.reshape(-1), second.reshape(-1)]).double().numpy())
+    estimates = np.stack(estimates)
+    average, error = estimates.mean(0), estimates.std(0, ddof=1) / math.sqrt(len(estimates))
+    exact_first, exact_second = [], []
+    for g in range(NUM_GROUPS):
+        design = features[g].double().numpy()
+        precision = np.eye(GROUP_COEFFICIENTS) + design.T @ design
+        mean = np.linalg.solve(precision, design.T @ (y[g].double().numpy() - b))
+        z = drawn[g].double().numpy()
+        for j in range(GROUP_COEFFICIENTS):
+            others = [i for i in range(GROUP_COEFFICIENTS) if i != j]
+            conditional_mean = mean[j] - precision[j, others] @ (z[others] - mean[others]) / precision[j, j]
+            exact_first.append(conditional_mean)
+            exact_second.append(1 / precision[j, j] + conditional_mean**2)
+    exact = np.array(exact_first + exact_second)
+    assert np.all(np.abs(average - exact) < 5 * error + 1e-3), (average, exact, error)
+
+
 def test_auto_picks_the_vector_sites_outside_plates(fresh_pyro):
     """``elementwise="auto"`` takes ``beta`` (4 elements, no plate), not the scalar ``b``; bad names fail."""
     features, y = regression_data()
