@@ -77,6 +77,10 @@ MAX_HETEROSCEDASTIC_ROUNDS, SCORING_STEPS, HETEROSCEDASTIC_TOLERANCE = 10, 2, 1e
 STEP_HALVINGS = 4
 #: the smallest eigenvalue of the globals' weighted correlation matrix for a scale to follow them
 MIN_GLOBALS_EIGENVALUE = 1e-6
+#: the most globals a local's scale follows: a funnel's scales are a few globals, and the fit costs
+#: G^2 per element and needs 10 G effective draws more (item response theory's 101 globals: its
+#: 400 students' scales stay constant)
+MAX_SCALE_GLOBALS = 8
 
 
 @dataclass(frozen=True)
@@ -365,10 +369,11 @@ class AdaptiveProposal:
           residual sd (corrected for the fitted coefficients) times ``widen_locals``. Where the
           weights' effective sample size is under :data:`MIN_ESS_PER_COEFFICIENT` per coefficient,
           or ``regress`` is false, the site's plain weighted mean and sd instead;
-        - where the draws support it (``scales_follow_globals``, and that many effective draws per
-          coefficient of the log-scale too), the location and a log-scale affine in the globals
-          fitted jointly by weighted maximum likelihood (:func:`_heteroscedastic_fit`), the scale
-          then constant beyond :data:`LOG_SCALE_BOUND_SDS` of the log-scale's sds.
+        - where the draws support it (``scales_follow_globals``, at most :data:`MAX_SCALE_GLOBALS`
+          globals, and that many effective draws per coefficient of the log-scale too), the
+          location and a log-scale affine in the globals fitted jointly by weighted maximum
+          likelihood (:func:`_heteroscedastic_fit`), the scale then constant beyond
+          :data:`LOG_SCALE_BOUND_SDS` of the log-scale's sds.
 
         :param dict samples: site name -> constrained values, shape ``(N,) +`` the site's shape,
             every covered site drawn jointly (e.g. :meth:`pyro_tmc.infer.draw.TMCDraw.sample`).
@@ -643,8 +648,8 @@ def _fitted_local(
     Weighted least squares of ``values`` (``(N,) + S + (D,)``) on ``[1, regressors]``
     (``(N,) + S + (R,)``), per element, or the weighted moments where there are too few draws.
     ``weights``: ``(N,)`` or ``(N,) + S``, summing to 1 over N. With ``num_globals`` (G, the first
-    regressors), the scale follows the globals where the draws support it
-    (:func:`_heteroscedastic_fit`).
+    regressors), the scale follows the globals where the draws support it and there are at most
+    :data:`MAX_SCALE_GLOBALS` of them (:func:`_heteroscedastic_fit`).
     """
     w = weights.to(values.dtype)
     w = w.reshape(w.shape + (1,) * (values.dim() - w.dim()))  # (N,) + S-or-ones + (1,)
@@ -662,7 +667,8 @@ def _fitted_local(
     correction = max(1 - num_coefficients / fewest, 1e-3)  # residual variance's degrees of freedom
     log_scale = 0.5 * ((w * residuals.square()).sum(0) / correction).log()
     scale_regression = None
-    if num_globals and fewest >= MIN_ESS_PER_COEFFICIENT * (num_coefficients + num_globals):
+    follows = 0 < num_globals <= MAX_SCALE_GLOBALS
+    if follows and fewest >= MIN_ESS_PER_COEFFICIENT * (num_coefficients + num_globals):
         fit = _heteroscedastic_fit(values, regressors, w, num_globals, effective, residuals)
         if fit is not None:
             kept, het_intercept, het_coefficients, het_log_scale, scale_regression = fit

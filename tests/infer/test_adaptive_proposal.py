@@ -20,7 +20,7 @@ import pyro.distributions as dist
 from pyro.infer.autoguide import AutoNormal
 
 from pyro_tmc import TMC_ELBO
-from pyro_tmc.infer.adaptive_proposal import GLOBALS_SITE, AdaptiveProposal
+from pyro_tmc.infer.adaptive_proposal import GLOBALS_SITE, MAX_SCALE_GLOBALS, AdaptiveProposal
 from tests.common.adaptation_models import (
     CHAIN_PERSISTENCE,
     CHAIN_PULL,
@@ -308,7 +308,10 @@ def test_a_homoscedastic_posterior_keeps_its_scales_constant(float64):
 
 
 def test_scales_stay_constant_where_the_fit_cannot_hold(float64):
-    """Too few effective draws, globals that are one another's copy, or asked not to: constant scales."""
+    """
+    Too few effective draws, globals that are one another's copy, more globals than
+    MAX_SCALE_GLOBALS, or asked not to: constant scales.
+    """
     num = 5000
     draws = _funnel_draws(num, 0)
     proposal = AdaptiveProposal(funnel_prior_model, num_prior_draws=10)
@@ -329,6 +332,16 @@ def test_scales_stay_constant_where_the_fit_cannot_hold(float64):
         draws | {"twin": draws["log_tau"]}, torch.zeros(num)
     )
     assert twins.local_proposals["theta"].log_scale is None
+
+    def many_globals_model():  # more globals than a scale follows: item response theory's 101
+        log_tau = pyro.sample("log_tau", dist.Normal(0.0, 1.0))
+        pyro.sample("others", dist.Normal(torch.zeros(MAX_SCALE_GLOBALS), 1.0).to_event(1))
+        with pyro.plate("elements", 4):
+            pyro.sample("theta", dist.Normal(0.0, log_tau.exp()))
+
+    others = {"others": torch.randn(num, MAX_SCALE_GLOBALS, generator=torch.Generator().manual_seed(1))}
+    many = AdaptiveProposal(many_globals_model, num_prior_draws=10).fitted(draws | others, torch.zeros(num))
+    assert many.num_globals > MAX_SCALE_GLOBALS and many.local_proposals["theta"].log_scale is None
 
 
 # -- densities -------------------------------------------------------------------------------------
