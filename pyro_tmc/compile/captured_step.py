@@ -6,8 +6,9 @@ With ``TMC_ELBO(compile=...)``, :meth:`~pyro.infer.ELBO.loss_and_grads` is
 captured instead: the guide under ``tmc``, the model against its particles, the
 estimate and its gradients are traced by ``make_fx`` (with fake tensors) into one
 graph of tensor operations, or recorded as they run on real tensors where that is sure to
-give the same graph, at a tenth of the cost (:mod:`pyro_tmc.compile.recording`). Its inputs are the param store's unconstrained
-tensors and the tensors among the step's arguments; its random draws are
+give the same graph, at a tenth of the cost (:mod:`pyro_tmc.compile.recording`). Its inputs
+are the param store's unconstrained tensors and the tensors among the step's arguments; its
+random draws are
 operations of the graph, so each replay draws afresh from torch's generator and
 ``pyro.set_rng_seed`` makes a run reproducible. The graph is replayed at later
 steps (``"graph"``), or compiled by ``torch.compile`` (``"inductor"``).
