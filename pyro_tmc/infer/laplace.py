@@ -90,12 +90,10 @@ def laplace_approximation(
 
     point = start.detach().double()
     for step in range(newton_steps + 1):
-        value, gradient, hessian = _derivatives(log_density, point)
-        if not (math.isfinite(value) and torch.isfinite(hessian).all() and torch.isfinite(gradient).all()):
+        at_point = _concave_at(log_density, point)
+        if at_point is None:
             return None
-        cholesky, info = torch.linalg.cholesky_ex(-hessian)
-        if info != 0:
-            return None
+        value, gradient, cholesky = at_point
         if step == newton_steps:
             break
         direction = torch.cholesky_solve(gradient.unsqueeze(-1), cholesky).squeeze(-1)
@@ -106,12 +104,27 @@ def laplace_approximation(
         # a step below a thousandth of the posterior sd in every coordinate: at the mode
         sds = torch.cholesky_inverse(cholesky).diagonal().sqrt()
         if bool((direction.abs() < 1e-3 * sds).all()):
-            value, gradient, hessian = _derivatives(log_density, point)
-            cholesky, info = torch.linalg.cholesky_ex(-hessian)
-            if info != 0:
+            at_point = _concave_at(log_density, point)
+            if at_point is None:
                 return None
+            value, gradient, cholesky = at_point
             break
     return GaussianApproximation(point, torch.cholesky_inverse(cholesky), value)
+
+
+def _concave_at(log_density, point: torch.Tensor) -> Optional[tuple[float, torch.Tensor, torch.Tensor]]:
+    """
+    The value, the gradient and the Cholesky factor of the negative Hessian at ``point``, or
+    ``None`` where the density is rejected, not finite, or not concave there.
+    """
+    derivatives = _derivatives(log_density, point)
+    if derivatives is None:
+        return None
+    value, gradient, hessian = derivatives
+    if not (math.isfinite(value) and torch.isfinite(hessian).all() and torch.isfinite(gradient).all()):
+        return None
+    cholesky, info = torch.linalg.cholesky_ex(-hessian)
+    return None if info != 0 else (value, gradient, cholesky)
 
 
 def _backtracked(log_density, point, direction, value) -> Optional[torch.Tensor]:
@@ -119,19 +132,30 @@ def _backtracked(log_density, point, direction, value) -> Optional[torch.Tensor]
     fraction = 1.0
     for _ in range(HALVINGS):
         candidate = point + fraction * direction
-        with torch.no_grad():
-            moved = float(log_density(candidate))
+        try:
+            with torch.no_grad():
+                moved = float(log_density(candidate))
+        except (ValueError, RuntimeError):
+            # a step far enough to leave a distribution's support (a scale of exp(-200) == 0.0 is
+            # rejected by its constraint): as if the density there were -inf
+            moved = -math.inf
         if math.isfinite(moved) and moved >= value:
             return candidate
         fraction /= 2
     return None
 
 
-def _derivatives(log_density, point: torch.Tensor) -> tuple[float, torch.Tensor, torch.Tensor]:
-    """The value, gradient and Hessian of ``log_density`` at ``point`` (one backward pass per row)."""
+def _derivatives(log_density, point: torch.Tensor) -> Optional[tuple[float, torch.Tensor, torch.Tensor]]:
+    """
+    The value, gradient and Hessian of ``log_density`` at ``point`` (one backward pass per row), or
+    ``None`` where the model rejects the point (a distribution's parameter outside its support).
+    """
     u = point.clone().requires_grad_(True)
     with torch.enable_grad():
-        value = log_density(u)
+        try:
+            value = log_density(u)
+        except (ValueError, RuntimeError):
+            return None
         (gradient,) = torch.autograd.grad(value, u, create_graph=True)
         rows = []
         for i in range(len(u)):

@@ -10,7 +10,14 @@ import pyro.distributions as dist
 
 from pyro_tmc.infer.adaptive_proposal import AdaptiveProposal
 from pyro_tmc.infer.fit import fit_posterior, globals_widening
-from pyro_tmc.infer.laplace import gaussian_proposals, laplace_approximation, log_joint, proposal_mean
+from pyro_tmc.infer.laplace import (
+    _backtracked,
+    _derivatives,
+    gaussian_proposals,
+    laplace_approximation,
+    log_joint,
+    proposal_mean,
+)
 
 Y_SCHOOLS = torch.tensor([1.0, -0.5, 2.0])
 Y_CHAIN = torch.tensor([0.3, 0.8, 1.5, 1.1])
@@ -127,6 +134,21 @@ def test_no_laplace_where_the_density_is_not_concave():
     proposal = AdaptiveProposal(two_cauchy, y, max_plate_nesting=1)
     start = torch.zeros(1, dtype=torch.float64)
     assert laplace_approximation(two_cauchy, proposal, start, (y,), newton_steps=0) is None
+
+
+def _rejected_past_five(u: torch.Tensor) -> torch.Tensor:
+    """A density the model refuses to evaluate past 5, as a distribution refuses a scale of 0.0."""
+    if bool((u > 5).any()):
+        raise ValueError("Expected parameter scale ... to satisfy the constraint GreaterThan")
+    return -((u - 4) ** 2).sum()
+
+
+def test_a_newton_step_out_of_the_support_is_halved():
+    """Regression: tutorial 09's eight schools, whose Newton step left exp(log_stddev)'s support, raised."""
+    point, direction = torch.zeros(1, dtype=torch.float64), torch.full((1,), 10.0, dtype=torch.float64)
+    moved = _backtracked(_rejected_past_five, point, direction, float(_rejected_past_five(point)))
+    assert moved is not None and moved.item() == pytest.approx(5.0)
+    assert _derivatives(_rejected_past_five, torch.full((1,), 6.0, dtype=torch.float64)) is None
 
 
 def test_globals_widening_shrinks_with_their_number():
