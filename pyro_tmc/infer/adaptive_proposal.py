@@ -344,7 +344,7 @@ class AdaptiveProposal:
         if not self.covered:
             return self
         samples = _prior_samples(model, args, kwargs, num_draws, self.max_plate_nesting, self.covered)
-        log_weights = torch.zeros(num_draws, dtype=torch.float64)
+        log_weights = torch.zeros(len(next(iter(samples.values()))), dtype=torch.float64)
         return self.fitted(samples, log_weights, widen_globals=1.0, widen_locals=1.0)
 
     # -- moving it -----------------------------------------------------------------------------
@@ -846,7 +846,10 @@ def _prior_trace_with_parents(model, args, kwargs):
         if _is_distribution_site(site) and not site["is_observed"]:
             provenance = get_provenance(site["fn"].log_prob(site["value"]))
             parents[name] = tuple(p for p in trace.nodes if p in provenance and p != name)
-    with torch.random.fork_rng(), torch.no_grad():
+    # Validation off in both: a prior draw from heavy-tailed priors can reach a scale that underflows
+    # to 0.0 (exp of a Cauchy draw), which a distribution's constraint rejects; these traces give
+    # the sites' shapes and parents, not values anyone reads.
+    with torch.random.fork_rng(), torch.no_grad(), pyro.validation_enabled(False):
         clean = poutine.trace(model).get_trace(*args, **kwargs)  # values without provenance wrappers
     return clean, parents
 
@@ -859,6 +862,19 @@ def _prior_samples(model, args, kwargs, num_draws: int, max_plate_nesting: int, 
     """
     if not names:
         return {}
+    with pyro.validation_enabled(False):  # heavy-tailed priors reach scales of 0.0: see _finite_draws
+        return _finite_draws(_every_prior_sample(model, args, kwargs, num_draws, max_plate_nesting, names))
+
+
+def _finite_draws(samples: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The draws whose every site's value is finite (a prior's extreme draw can give inf or NaN)."""
+    finite = torch.ones(len(next(iter(samples.values()))), dtype=torch.bool)
+    for value in samples.values():
+        finite &= torch.isfinite(value.reshape(len(value), -1)).all(-1)
+    return {name: value[finite] for name, value in samples.items()}
+
+
+def _every_prior_sample(model, args, kwargs, num_draws: int, max_plate_nesting: int, names: list[str]):
     try:
         with torch.no_grad(), pyro.plate("_adaptive_prior_draws", num_draws, dim=-1 - max_plate_nesting):
             trace = poutine.trace(model).get_trace(*args, **kwargs)

@@ -34,6 +34,7 @@ from pyro_tmc.infer.laplace import laplace_approximation, proposal_mean
 from pyro_tmc.infer.tmc_elbo import TMC_ELBO
 from pyro_tmc.infer.tmc_posterior import TMCPosterior, read_draw
 from pyro_tmc.poutine.particle_group import particle_group
+from pyro_tmc.poutine.sites import structure_trace
 
 #: the particle group of the globals in training
 GLOBALS_GROUP = "fit_posterior_globals"
@@ -168,8 +169,7 @@ def grouped_globals(model, guide: AutoNormal, args, kwargs) -> Callable:
     100 difficulties, against 30,000 answers) then has one particle dim, not one per global, which
     is K^(n-1) times smaller; the read-out's proposal groups them the same way.
     """
-    with torch.no_grad(), pyro.poutine.block():
-        trace = pyro.poutine.trace(model).get_trace(*args, **kwargs)
+    trace = structure_trace(model, args, kwargs)
     names = [
         f"{name}_unconstrained"
         for name, site in trace.nodes.items()

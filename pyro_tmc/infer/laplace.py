@@ -35,6 +35,8 @@ import torch
 
 from pyro import poutine
 
+from pyro_tmc.poutine.sites import structure_trace
+
 #: coordinates above which the Hessian (one backward pass each) is not attempted
 MAX_COORDINATES = 3000
 #: Newton steps from the start to the mode (each costs a Hessian)
@@ -193,8 +195,7 @@ def split_coordinates(proposal, u: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def _covers_every_latent(model, proposal, args, kwargs) -> bool:
-    with poutine.block():
-        trace = poutine.trace(model).get_trace(*args, **kwargs)
+    trace = structure_trace(model, args, kwargs)
     latent = [
         name
         for name, site in trace.nodes.items()

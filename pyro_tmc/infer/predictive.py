@@ -44,7 +44,7 @@ from pyro.poutine import Trace
 from pyro.poutine.messenger import Messenger
 
 from pyro_tmc.infer.tmc_elbo import TMC_ELBO
-from pyro_tmc.poutine.sites import is_latent, plate_frames, plate_nesting
+from pyro_tmc.poutine.sites import is_latent, plate_frames, plate_nesting, structure_trace
 
 #: the plate that holds the posterior draws in the test run
 DRAWS_PLATE = "_predictive_draws"
@@ -162,7 +162,7 @@ def predictive_log_likelihood(
     posterior_samples = {name: torch.cat([pool[name] for pool in pools]) for name in pools[0]}
     num_draws = _count_draws(posterior_samples)
     with torch.no_grad():
-        trial = pyro.poutine.trace(model).get_trace(*args, **kwargs)
+        trial = structure_trace(model, args, kwargs)
     nesting = plate_nesting(trial) if max_plate_nesting is None else max_plate_nesting
     local = _local_plates(trial, posterior_samples, local_plates)
     fixed = {

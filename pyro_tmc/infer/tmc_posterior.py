@@ -43,7 +43,7 @@ from pyro_tmc.infer.predictive import (
     predictive_log_likelihood,
 )
 from pyro_tmc.ops.resampling import systematic_resample
-from pyro_tmc.poutine.sites import is_summed_exactly, plate_nesting
+from pyro_tmc.poutine.sites import is_summed_exactly, plate_nesting, structure_trace
 
 #: k-hat above this says "do not trust" (the PSIS paper's bound for any sample size: beyond it the
 #: importance ratios' variance is infinite in all but name, and more draws barely help)
@@ -257,7 +257,7 @@ class TMCPosterior:
         """
         num_samples = next(iter(samples.values())).shape[0]
         with torch.no_grad():
-            trial = pyro.poutine.trace(self.model).get_trace(*self.args, **self.kwargs)
+            trial = structure_trace(self.model, self.args, self.kwargs)
             nesting = plate_nesting(trial)
             fixed = {
                 name: batched_over_draws(samples[name], site, nesting)
@@ -362,8 +362,7 @@ class TMCPosterior:
         )
 
     def _observed_data(self) -> dict[str, torch.Tensor]:
-        with torch.no_grad():
-            trace = pyro.poutine.trace(self.model).get_trace(*self.args, **self.kwargs)
+        trace = structure_trace(self.model, self.args, self.kwargs)
         return {
             name: site["value"].detach()
             for name, site in trace.nodes.items()

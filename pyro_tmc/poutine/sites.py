@@ -36,6 +36,8 @@ from typing import TYPE_CHECKING, Callable, Optional
 import torch
 from torch.distributions import Independent
 
+import pyro
+from pyro import poutine
 from pyro.distributions import Delta
 from pyro.distributions.torch_distribution import ExpandedDistribution, MaskedDistribution
 from pyro.poutine import Trace
@@ -170,6 +172,23 @@ def guide_only_sites(model_trace: Trace, guide_trace: Trace) -> list[str]:
 def plate_frames(site) -> list:
     """The vectorised plates (``pyro.plate`` frames) a sample site is in, outermost first."""
     return [frame for frame in site["cond_indep_stack"] if frame.vectorized]
+
+
+def structure_trace(model: Callable, args: tuple = (), kwargs: Optional[dict] = None) -> Trace:
+    """
+    One run of ``model`` from its prior, for its structure (its sites, their shapes, plates and
+    observed values), not its values: without gradients, hidden from outer handlers, and with
+    Pyro's validation off, because a draw from heavy-tailed priors can reach a parameter its
+    distribution rejects (``exp`` of a Cauchy draw underflows to a scale of 0.0) though the model
+    is valid.
+
+    :param callable model: the Pyro model.
+    :param tuple args: its arguments.
+    :param dict kwargs: its keyword arguments.
+    :rtype: pyro.poutine.Trace
+    """
+    with torch.no_grad(), poutine.block(), pyro.validation_enabled(False):
+        return poutine.trace(model).get_trace(*args, **(kwargs or {}))
 
 
 def plate_nesting(trace: Trace) -> int:

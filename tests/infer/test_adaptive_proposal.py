@@ -87,6 +87,24 @@ def test_prior_start_of_a_model_that_does_not_broadcast(float64):
     assert torch.allclose(loc, torch.zeros(3), atol=0.2) and torch.allclose(covariance, exact, atol=0.5)
 
 
+def heavy_tailed_scale_model(y):
+    """Valid, though a fifth of the prior draws of ``log_scale`` give a float32 scale of 0.0 or inf."""
+    log_scale = pyro.sample("log_scale", dist.Cauchy(0.0, 30.0))
+    with pyro.plate("data", 1):
+        x = pyro.sample("x", dist.Normal(0.0, log_scale.exp()))
+    pyro.sample("y", dist.Normal(x, 1.0), obs=y)
+
+
+def test_prior_draws_beyond_a_scale_s_range_are_dropped():
+    """Regression: the prior trace raised Normal's constraint error (a stochastic volatility model)."""
+    pyro.set_rng_seed(0)
+    proposal = AdaptiveProposal(heavy_tailed_scale_model, torch.tensor([0.5]), num_prior_draws=1000)
+    assert [g.name for g in proposal.globals] == ["log_scale"] and [v.name for v in proposal.locals] == ["x"]
+    start = proposal.global_proposal
+    assert torch.isfinite(start.loc).all() and torch.isfinite(start.scale_tril).all()
+    assert start.scale_tril.diagonal()[0] > 30  # log_scale's wide prior draws, not a collapsed start
+
+
 def test_subsampled_plates_are_refused(float64):
     def model(x):
         with pyro.plate("data", 10, subsample_size=4):
