@@ -795,6 +795,10 @@ def _is_covered(site) -> bool:
     """A continuous latent sample site that TMC does not enumerate."""
     if not _is_distribution_site(site) or site["is_observed"] or site["infer"].get("is_auxiliary"):
         return False
+    if site["infer"].get("_do_not_score"):
+        # a vectorized_markov chain's previous steps: TMC gives them the particles of the steps
+        # before (pyro_tmc.estimate.vectorized_markov), so nothing proposes them
+        return False
     if site["infer"].get("enumerate") is not None:
         return False
     fn = site["fn"]

@@ -499,6 +499,28 @@ def is_shape_error(error: Exception) -> bool:
     return not isinstance(error, ValueError) or any(phrase in message for phrase in _SHAPE_PHRASES)
 
 
+def _without_previous_steps(model_trace: Trace, guide_trace: Trace) -> tuple[Trace, Trace]:
+    """
+    Copies of the traces without a ``vectorized_markov`` chain's previous-steps sites (the model's
+    ``_do_not_score`` ones, to which TMC gives the steps before's particles, so that a guide need not
+    draw them and its draw is not scored) and without the guide's subsample site of the chain's time
+    plate, which the model's funsor plate does not record: Pyro's check would warn of both.
+    """
+    unscored = [n for n, site in model_trace.nodes.items() if site.get("infer", {}).get("_do_not_score")]
+    if not unscored:
+        return model_trace, guide_trace
+    time_plates = {frame.name for name in unscored for frame in model_trace.nodes[name]["cond_indep_stack"]}
+    model_trace, guide_trace = model_trace.copy(), guide_trace.copy()
+    for name in unscored:
+        model_trace.remove_node(name)
+        if name in guide_trace.nodes:
+            guide_trace.remove_node(name)
+    for name in time_plates - set(model_trace.nodes):
+        if name in guide_trace.nodes:
+            guide_trace.remove_node(name)
+    return model_trace, guide_trace
+
+
 def check_model_guide_shapes_match(model_trace: Trace, guide_trace: Trace, max_plate_nesting) -> None:
     """
     :func:`pyro.util.check_model_guide_match`, whose shape comparison trims a
@@ -507,6 +529,7 @@ def check_model_guide_shapes_match(model_trace: Trace, guide_trace: Trace, max_p
     guide side only) and then reports a false disagreement. We compare the
     plate and event dims ourselves in that case.
     """
+    model_trace, guide_trace = _without_previous_steps(model_trace, guide_trace)
     try:
         check_model_guide_match(model_trace, guide_trace, max_plate_nesting)
     except ValueError as error:

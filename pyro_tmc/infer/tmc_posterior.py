@@ -87,7 +87,10 @@ def read_draw(draw, samples_per_draw: int) -> ReadoutDraw:
         if not is_summed_exactly(site):
             weights = marginal.log_weights.double()
             log_weights[name] = weights - torch.logsumexp(weights, -1, keepdim=True)
-    samples = draw.sample(samples_per_draw) if samples_per_draw else {}
+    # a vectorized_markov chain's joint draws are not implemented (sample_posterior): its moments
+    # are read from the marginals alone
+    joint = samples_per_draw and not draw.scales.markov_times
+    samples = draw.sample(samples_per_draw) if joint else {}
     return ReadoutDraw(log_estimate.detach().double().reshape(()), firsts, seconds, log_weights, samples)
 
 
@@ -214,7 +217,8 @@ class TMCPosterior:
         counts = [self._count(draw) for draw in self.draws]
         if not all(counts):
             raise ValueError(
-                "TMCPosterior.sample: these draws hold no joint samples; fit with samples_per_draw > 0."
+                "TMCPosterior.sample: these draws hold no joint samples; fit with samples_per_draw > 0 "
+                "(a model with a vectorized_markov chain keeps none: write the chain with pyro.markov)."
             )
         pooled = {
             name: torch.cat([draw.samples[name] for draw in self.draws]) for name in self.draws[0].samples
