@@ -240,3 +240,24 @@ def test_a_vectorized_markov_chain_is_fitted_from_its_marginals():
     assert ((got_sd / sd - 1).abs() <= 0.1).all(), (got_sd, sd)
     with pytest.raises(ValueError, match="vectorized_markov"):
         fitted.sample(10)
+
+
+def _draws_with_log_evidences(log_evidences: torch.Tensor) -> list:
+    from pyro_tmc.infer.tmc_posterior import ReadoutDraw
+
+    return [ReadoutDraw(value, {"x": value.exp()}, {"x": value.exp()}, {}, {}) for value in log_evidences]
+
+
+def test_draw_weights_are_pareto_smoothed():
+    """A heavy-tailed pool (log P_r ~ Normal(0, 2)) is smoothed by PSIS; a short pool is left raw."""
+    from pyro_tmc.infer.diagnostics import psis
+
+    torch.manual_seed(0)
+    log_evidences = 2.0 * torch.randn(200, dtype=torch.float64)
+    pooled = TMCPosterior(hierarchical_model, _draws_with_log_evidences(log_evidences))
+    raw = torch.softmax(log_evidences, 0)
+    assert torch.allclose(pooled.draw_weights, psis(log_evidences)[0].exp())
+    assert pooled.draw_weights.sum().item() == pytest.approx(1.0)
+    assert not torch.allclose(pooled.draw_weights, raw, atol=1e-3)  # (the second largest: 0.172 -> 0.091)
+    short = TMCPosterior(hierarchical_model, _draws_with_log_evidences(log_evidences[:20]))
+    assert torch.allclose(short.draw_weights, torch.softmax(log_evidences[:20], 0))
