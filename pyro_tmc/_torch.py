@@ -64,6 +64,7 @@ __all__ = [
     "LazyGraphModule",
     "OpOverload",
     "TorchDispatchMode",
+    "UncompiledDispatchMode",
     "TracingContext",
     "autograd_function_of",
     "get_proxy_mode",
@@ -78,6 +79,22 @@ __all__ = [
     "tree_unflatten",
     "use_lazy_graph_module",
 ]
+
+
+class UncompiledDispatchMode(TorchDispatchMode):
+    """
+    A dispatch mode that never runs under ``torch.compile`` (the recorder of
+    compile/recording.py, which runs before any compile). torch wraps each subclass's
+    ``__torch_dispatch__`` in dynamo's ``disable`` (so that dynamo does not trace into a mode
+    it compiles through), unless the class's ``_should_skip_dynamo`` says not to; that wrapper
+    imports dynamo at its first call (1-2 s, the first capture's, where ``compile="graph"``
+    needs no dynamo at all) and costs a frame-evaluation switch per operation.
+    """
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
 
 #: the heavy names, imported on first use: name here -> (module, attribute; ``None``: the module)
 _LAZY: dict[str, tuple[str, Optional[str]]] = {
@@ -144,8 +161,13 @@ def load_inductor_tracing() -> None:
 
 #: protocol attributes that torch reads from the package's objects: (module whose source reads
 #: it, the attribute). A dispatch mode that sets ``supports_higher_order_operators`` sees ``cond``
-#: in ``__torch_dispatch__`` (GradModeMarks leaves it unmarked) instead of torch refusing it.
-_PROTOCOL = (("torch._ops", "supports_higher_order_operators"),)
+#: in ``__torch_dispatch__`` (GradModeMarks leaves it unmarked) instead of torch refusing it; one
+#: whose ``_should_skip_dynamo`` is false is not wrapped in dynamo's ``disable``
+#: (:class:`UncompiledDispatchMode`).
+_PROTOCOL = (
+    ("torch._ops", "supports_higher_order_operators"),
+    ("torch.utils._python_dispatch", "_should_skip_dynamo"),
+)
 
 #: settings the package patches: (config module, key). Inductor's settings need no entry: the
 #: package passes only those this inductor has (compile/compiled.py, ``_available``).

@@ -34,10 +34,15 @@ from collections.abc import Sequence
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
-from torch.fx import Graph, Interpreter, Node
+from torch.fx import Graph, Node, map_arg
 from torch.overrides import TorchFunctionMode
 
-from pyro_tmc._torch import HigherOrderOperator, LazyGraphModule, TorchDispatchMode, original_view_tracking
+from pyro_tmc._torch import (
+    HigherOrderOperator,
+    LazyGraphModule,
+    UncompiledDispatchMode,
+    original_view_tracking,
+)
 from pyro_tmc.compile.forward_trace import NO_GRAD
 
 aten = torch.ops.aten
@@ -55,6 +60,9 @@ _VALUE_READ_METHODS = {
     torch.Tensor.storage,
     torch.Tensor.__reduce_ex__,
 }
+
+#: what :meth:`OperationRecorder._nodes_in` looks into: a tensor, or a container that may hold one
+_WALKED = (torch.Tensor, tuple, list, dict)
 
 #: says, at DEBUG, why a step's forward was traced rather than recorded
 _log = logging.getLogger(__name__)
@@ -76,7 +84,7 @@ class ValueReadWatch(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-class OperationRecorder(TorchDispatchMode):
+class OperationRecorder(UncompiledDispatchMode):
     """
     Records each aten operation run under it, on real tensors, into :attr:`graph`.
 
@@ -129,10 +137,12 @@ class OperationRecorder(TorchDispatchMode):
             if node is None:
                 node = self._allowed_constant(value)
             return node
+        # a list, not a generator, and no call per int or None (most arguments): a third of a
+        # recording's own cost went to walking arguments
         if isinstance(value, (tuple, list)):
-            return type(value)(self._nodes_in(v) for v in value)
+            return type(value)([self._nodes_in(v) if isinstance(v, _WALKED) else v for v in value])
         if isinstance(value, dict):
-            return {k: self._nodes_in(v) for k, v in value.items()}
+            return {k: self._nodes_in(v) if isinstance(v, _WALKED) else v for k, v in value.items()}
         return value
 
     def _allowed_constant(self, tensor: torch.Tensor) -> Node:
@@ -249,7 +259,7 @@ def record(
         graph = recorder.module(outputs)
         set_state(state)
         with torch.no_grad():  # on fresh copies: the function may have written into its inputs
-            replayed = Interpreter(graph).run(*_copies(inputs, num_params))
+            replayed = replay(graph, _copies(inputs, num_params))
         different = _first_different(replayed, outputs)
         if different is not None:
             return _refused(f"its replay gave another output {different} than the recording")
@@ -258,6 +268,47 @@ def record(
     finally:
         set_state(state)
     return Recording(graph)
+
+
+def replay(module: torch.fx.GraphModule, inputs: Sequence[torch.Tensor]) -> Any:
+    """
+    Run a recorded graph's nodes in order on ``inputs``, as ``Interpreter(module).run`` does
+    (a graph of placeholders, constants and function calls), at a third of its cost per node:
+    no hooks, no current-node bookkeeping. A value is dropped after its last use, so a long
+    graph holds no more than its run needs.
+    """
+    values: dict[Node, Any] = {}
+    last_use = _last_uses(module.graph)
+    inputs = iter(inputs)
+    load = values.__getitem__
+    for node in module.graph.nodes:
+        if node.op == "placeholder":
+            values[node] = next(inputs)
+        elif node.op == "get_attr":
+            values[node] = getattr(module, node.target)
+        elif node.op == "call_function":
+            args, kwargs = map_arg((node.args, node.kwargs), load)
+            values[node] = node.target(*args, **kwargs)
+        elif node.op == "output":
+            return map_arg(node.args[0], load)
+        else:
+            raise ValueError(f"a recorded graph has no {node.op} nodes")
+        for used in last_use.get(node, ()):
+            del values[used]
+    raise ValueError("the graph has no output")
+
+
+def _last_uses(graph: Graph) -> dict[Node, list[Node]]:
+    """Each node -> the nodes whose last reader it is (their values can go after it runs)."""
+    last: dict[Node, Node] = {}
+    for node in graph.nodes:
+        for used in node.all_input_nodes:
+            last[used] = node
+    by_reader: dict[Node, list[Node]] = {}
+    for used, reader in last.items():
+        if reader.op != "output":
+            by_reader.setdefault(reader, []).append(used)
+    return by_reader
 
 
 def _refused(reason: str) -> Recording:

@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 
 from pyro_tmc.ops.capture import current
+from pyro_tmc.ops.shapes import broadcast_shape
 from pyro_tmc.ops.underflow import exact_logsumexp, exp_or_zero, plus_shifts, safe_log, underflow_floor
 
 #: the most terms a graph's exact repair of a whole matrix product holds at once (Fig. 4's
@@ -108,7 +109,8 @@ def graph_hint(x: torch.Tensor, y: torch.Tensor) -> tuple[Optional[int], bool]:
     hints = current().repair_hints
     if hints is None:
         return None, False
-    needed = hints.next(torch.broadcast_shapes(x.shape[:-2], y.shape[:-2]) + (x.size(-2), y.size(-1)))
+    # not torch.broadcast_shapes: under a capture's dispatch mode its first call imports sympy (0.7 s)
+    needed = hints.next(broadcast_shape(x.shape[:-2], y.shape[:-2]) + (x.size(-2), y.size(-1)))
     return needed, needed == 0 and hints.narrow_clean()
 
 
