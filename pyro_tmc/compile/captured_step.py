@@ -94,6 +94,7 @@ from pyro_tmc.compile.forward_trace import (
 from pyro_tmc.compile.loop_rolling import (
     count_groups,
     count_operations,
+    eliminate_dead_code,
     graph_constants,
     roll,
     rolled_runner,
@@ -483,7 +484,7 @@ def _backward_of(
     more than ``roll_above`` operations and rolling batches them into at most
     ``roll_at_most`` as many groups, then its backward traced through it.
     """
-    forward.graph.eliminate_dead_code()
+    eliminate_dead_code(forward.graph)
     if roll_above is not None and count_operations(forward) > roll_above:
         try:
             with timed(times, PLAN_ROLLING):
@@ -552,7 +553,7 @@ def _rolled(
     A whole step's graph, backward included, rolled (:func:`pyro_tmc.compile.loop_rolling.roll`)
     where it has more than ``roll_above`` operations and rolling makes it smaller; else itself.
     """
-    graph.graph.eliminate_dead_code()
+    eliminate_dead_code(graph.graph)
     if roll_above is None or count_operations(graph) <= roll_above:
         return graph
     try:
@@ -800,7 +801,7 @@ class StepProgram:
             _warn_fallback("the model's structure differs from one run to the next with the same arguments")
             return loss
         self.captures += 1
-        program.graph.eliminate_dead_code()
+        eliminate_dead_code(program.graph)
         program.recompile()
         specs = [_spec(p) for p in params]
         captured = CapturedStep(program, unrolled, names, specs, structure, [eager_seconds], times=times)
