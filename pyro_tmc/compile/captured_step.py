@@ -915,10 +915,15 @@ class StepProgram:
         one by one, backward included, is slower than eager for a model whose step is
         tensor work with little Python (a long chain of stacked densities). After
         ``timed_replays`` replays, alternating with eager steps, the key keeps the
-        faster of the two (by their fastest times, which noise inflates least). A replay
-        redone eagerly is not timed (:meth:`_give_up_if_mostly_redone` deals with those).
+        faster of the two (by their fastest times, which noise inflates least); a replay
+        that takes at most ``keep_replay_below`` of the fastest eager step is kept as soon
+        as it is timed. A replay redone eagerly is not timed (:meth:`_give_up_if_mostly_redone`
+        deals with those).
         """
         captured.replay_seconds.append(seconds)
+        if seconds <= self.config.keep_replay_below * min(captured.eager_seconds):
+            captured.eager_seconds = None  # clearly faster: kept now (CompileConfig.keep_replay_below)
+            return
         if len(captured.replay_seconds) < self.config.timed_replays:
             return
         if min(captured.replay_seconds) > min(captured.eager_seconds):

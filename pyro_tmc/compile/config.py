@@ -75,6 +75,12 @@ class CompileConfig:
     #: the fastest of three, which noise inflates least (not tuned: enough for a 2x difference to
     #: show on a loaded machine)
     timed_replays: int = 3
+    #: an uncompiled replay that takes at most this share of the fastest eager step is kept at
+    #: once, without the timed eager steps between replays: those cost an eager step each, the
+    #: most of a rolled loop's first steps after its capture (two eager steps of 0.6-0.9 s at
+    #: the HMM of 1,000 steps, whose replay takes 0.06 s). Noise rarely halves a time, and a
+    #: replay kept wrongly is then about as fast as eager anyway
+    keep_replay_below: float = 0.5
 
     # -- inductor ---------------------------------------------------------------------
 

@@ -530,6 +530,27 @@ def test_slower_replay_gives_way_to_the_eager_step(monkeypatch):
     assert program.replays == 3  # CompileConfig.timed_replays, then eager
 
 
+def test_much_faster_replay_is_kept_without_timed_eager_steps(monkeypatch):
+    """
+    A replay taking at most ``keep_replay_below`` of the eager step's time is kept at once:
+    no eager step runs between the replays (each would cost as much as many replays).
+    """
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    x = torch.randn(6)
+    loss = TMC_ELBO(num_samples=4, max_plate_nesting=1, compile="graph")
+    clock = iter(range(0, 10**6, 1))
+    monkeypatch.setattr("pyro_tmc.compile.captured_step.time.perf_counter", lambda: float(next(clock)))
+    for _ in range(2):  # eager, captured
+        loss.loss_and_grads(toy_model, toy_guide, x)
+    program = loss.step_program
+    captured = program._steps[next(iter(program._steps))]
+    captured.eager_seconds = [10.0]  # every replay "takes" 1-3 s (the clock's ticks)
+    for _ in range(6):
+        loss.loss_and_grads(toy_model, toy_guide, x)
+    assert program.replays == 6 and captured.eager_seconds is None  # six replays of six steps
+
+
 def test_large_step_is_not_compiled_by_inductor():
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
