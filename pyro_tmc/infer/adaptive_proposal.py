@@ -540,7 +540,11 @@ class AdaptiveProposal:
                 infer["num_samples"] = self.global_samples
             globals_flat = pyro.sample(GLOBALS_SITE, self.global_proposal.distribution(), infer=infer)
         covered = set(self.covered)
-        with ProposalMessenger(self, globals_flat):
+        # Validation off: the model runs here only to place the covered sites' draws; what it computes
+        # from sites nobody proposes (a vectorized_markov chain's previous steps, drawn from their
+        # prior) is never scored, and a prior draw can reach a scale of 0.0 that a constraint rejects.
+        # The model's own run under TMC validates every value it scores.
+        with ProposalMessenger(self, globals_flat), pyro.validation_enabled(False):
             poutine.block(self.model, hide_fn=lambda msg: msg["name"] not in covered)(*args, **kwargs)
 
     def global_value(self, layout: SiteLayout, globals_flat: torch.Tensor) -> dist.Delta:

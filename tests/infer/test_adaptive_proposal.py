@@ -9,6 +9,7 @@ proposals of locals) are checked through E[P_TMC] = p(x) on a conjugate model wi
 global, an interval global and positive locals in a plate, whose log p(x) is exact.
 """
 
+import dataclasses
 import math
 
 import numpy as np
@@ -20,7 +21,7 @@ import pyro.distributions as dist
 from pyro.infer.autoguide import AutoNormal
 
 from pyro_tmc import TMC_ELBO
-from pyro_tmc.infer.adaptive_proposal import GLOBALS_SITE, MAX_SCALE_GLOBALS, AdaptiveProposal
+from pyro_tmc.infer.adaptive_proposal import GLOBALS_SITE, MAX_SCALE_GLOBALS, AdaptiveProposal, GlobalProposal
 from tests.common.adaptation_models import (
     CHAIN_PERSISTENCE,
     CHAIN_PULL,
@@ -422,3 +423,35 @@ def test_a_chain_with_no_globals_starts_from_the_prior():
     # x_1 | x_0 under the prior: N(x_0, 1), so the fitted coefficient is 1 within sampling error
     coefficient = proposal.local_proposals["x_1"].coefficients.reshape(())
     assert abs(float(coefficient) - 1.0) < 0.06, coefficient
+
+
+def vectorized_volatility(y):
+    """A log volatility in ``vectorized_markov``, its steps' prior so wide that a prior draw's exp is 0.0."""
+    pytest.importorskip("funsor")
+    from pyro.contrib.funsor import vectorized_markov
+
+    previous = None
+    for t in vectorized_markov(name="days", size=len(y), dim=-1):
+        previous = pyro.sample(f"v_{t}", dist.Normal(0.0 if previous is None else previous, 300.0))
+        pyro.sample(f"y_{t}", dist.Normal(0.0, (previous / 2).exp()), obs=y[t])
+
+
+@pytest.mark.slow
+def test_the_guide_does_not_score_a_chain_s_previous_steps():
+    """Regression: the guide's run of the model drew the previous steps from their prior and raised."""
+    y = torch.tensor([0.3, -1.2, 0.8, 0.1, -0.4, 2.0])
+    pyro.set_rng_seed(0)
+    proposal = AdaptiveProposal(vectorized_volatility, y, max_plate_nesting=1)
+    assert "v_slice(0, 5, None)" not in proposal.covered
+    # proposals near the data's scale, so that only the guide's prior draws of the previous steps are wild
+    proposal.global_proposal = GlobalProposal(torch.zeros(1), torch.eye(1), None)
+    for name, local in proposal.local_proposals.items():
+        calm = torch.ones_like(local.intercept)
+        proposal.local_proposals[name] = dataclasses.replace(
+            local, intercept=0 * calm, coefficients=None, scale=calm, log_scale=None
+        )
+    losses = [
+        TMC_ELBO(num_samples=4, max_plate_nesting=1).loss(vectorized_volatility, proposal, y)
+        for _ in range(20)
+    ]
+    assert all(math.isfinite(loss) for loss in losses)
