@@ -5,7 +5,9 @@ no model-specific code:
 
 1. **Train** a guide with :class:`~pyro_tmc.TMC_ELBO` (Pyro's ``AutoNormal`` when none is given).
    The trained guide sits at the bound's optimum, which is close to the posterior but not on it
-   (and a mean-field guide cannot hold its correlations), so it is only the start.
+   (and a mean-field guide cannot hold its correlations), so it is only the start. Training is
+   skipped where the model's Laplace approximation, from the guide's initial locations, already
+   gives TMC draws that agree (:func:`laplace_before_training`): a near-Gaussian posterior.
 2. **Adapt** (:func:`~pyro_tmc.infer.adaptation.adapt`): rounds of population Monte Carlo with TMC
    draws as the samples move an :class:`~pyro_tmc.infer.adaptive_proposal.AdaptiveProposal` onto the
    TMC-weighted posterior: the globals one heavy-tailed joint proposal (one particle group), every
@@ -40,6 +42,11 @@ from pyro_tmc.poutine.sites import structure_trace
 GLOBALS_GROUP = "fit_posterior_globals"
 #: read-out draws between checks of their standard errors
 CHECK_EVERY = 20
+#: the largest sd (nats) of the draws' ``log P_TMC`` under the Laplace start at which training is
+#: skipped: draws that agree within a nat or so come from a proposal close to the posterior in
+#: every direction the estimate is sensitive to (for importance sampling, a log-weight sd of 1 keeps
+#: about exp(-1) of the draws effective)
+LAPLACE_TRUSTED_SPREAD = 1.0
 
 
 def fit_posterior(
@@ -81,7 +88,8 @@ def fit_posterior(
     :param callable model: a Pyro model; its observed sites hold the data.
     :param args: the model's arguments.
     :param callable guide: a guide to train and start from; ``None``: ``AutoNormal(model)``.
-    :param int num_steps: SVI steps of training (0: use ``guide`` as it is).
+    :param int num_steps: SVI steps of training (0: use ``guide`` as it is). None are taken where the
+        default guide's Laplace start already measures well (``history["laplace_spread"]``).
     :param int num_samples: K in training.
     :param float learning_rate: Adam's step size in training (decayed 10x over the run).
     :param int adapt_rounds: rounds of adaptation (0: read out under the trained guide).
@@ -106,14 +114,28 @@ def fit_posterior(
     history: dict = {}
     if guide is None:
         guide = AutoNormal(model)
-    if num_steps:
+    start = None
+    if num_steps and adapt_rounds:
+        start = laplace_before_training(
+            model, guide, args, kwargs, adapt_draws, adapt_samples, max_plate_nesting, history
+        )
+    if num_steps and start is None:
         history["losses"] = train(
             model, guide, args, kwargs, num_steps, num_samples, learning_rate, nesting, progress
         )
     proposal = guide
     if adapt_rounds:
         proposal = adapted_proposal(
-            model, guide, args, kwargs, adapt_rounds, adapt_draws, adapt_samples, max_plate_nesting, progress
+            model,
+            guide,
+            args,
+            kwargs,
+            adapt_rounds,
+            adapt_draws,
+            adapt_samples,
+            max_plate_nesting,
+            progress,
+            start=start,
         )
         history["adaptation"] = proposal.history
     readout = TMC_ELBO(num_samples=readout_samples, max_plate_nesting=nesting)
@@ -182,7 +204,32 @@ def grouped_globals(model, guide: AutoNormal, args, kwargs) -> Callable:
     return particle_group(GLOBALS_GROUP, sites=names)(guide) if len(names) > 1 else guide
 
 
-def adapted_proposal(model, guide, args, kwargs, rounds, draws, num_samples, max_plate_nesting, progress):
+def laplace_before_training(
+    model, guide, args, kwargs, draws, num_samples, max_plate_nesting, history: dict
+) -> Optional[AdaptiveProposal]:
+    """
+    The proposal read from the model's Laplace approximation, Newton steps from a fresh
+    ``AutoNormal``'s initial locations, when its TMC draws already agree: the sd of ``draws``
+    draws' ``log P_TMC`` at most :data:`LAPLACE_TRUSTED_SPREAD`. Then training is skipped, and the
+    rounds of adaptation start from it. ``None`` (train first) for any other guide, a model with no
+    Laplace approximation, or a wider spread. ``history["laplace_spread"]`` records the spread.
+    """
+    if not isinstance(guide, AutoNormal) or hasattr(guide, "locs"):  # a guide given, or trained already
+        return None
+    with torch.no_grad(), pyro.poutine.block():
+        guide(*args, **kwargs)  # its prototype trace and initial locations, as SVI's first step makes them
+    proposal = AdaptiveProposal(model, *args, init=guide, max_plate_nesting=max_plate_nesting, **kwargs)
+    candidate = laplace_proposal(model, proposal, args, kwargs)
+    if candidate is None:
+        return None
+    values = torch.tensor(log_evidences(candidate, model, args, kwargs, draws, num_samples))
+    history["laplace_spread"] = spread = float(values.std()) if len(values) > 1 else math.inf
+    return candidate if spread <= LAPLACE_TRUSTED_SPREAD else None
+
+
+def adapted_proposal(
+    model, guide, args, kwargs, rounds, draws, num_samples, max_plate_nesting, progress, start=None
+):
     """
     An :class:`AdaptiveProposal` moved onto the posterior, starting from the trained ``guide``: from
     its locations and scales when it is an ``AutoNormal``, else from the TMC-weighted joint draws of
@@ -190,7 +237,14 @@ def adapted_proposal(model, guide, args, kwargs, rounds, draws, num_samples, max
     guide is an ``AutoNormal`` that never ran (``num_steps=0``). Where the model's Laplace
     approximation exists (:mod:`pyro_tmc.infer.laplace`) and measures better, the rounds start from
     it instead; the proposal returned is the best the rounds measured (:func:`best_of_rounds`).
+    A ``start`` (:func:`laplace_before_training`) is where the rounds start instead.
     """
+
+    def measure(candidate: AdaptiveProposal) -> float:
+        return mean_log_evidence(candidate, model, args, kwargs, draws, num_samples)
+
+    if start is not None:
+        return best_of_rounds(model, start, args, kwargs, rounds, draws, num_samples, measure, progress)
     trained = not isinstance(guide, AutoNormal) or hasattr(guide, "locs")  # an AutoNormal never run has none
     start = guide if isinstance(guide, AutoNormal) and trained else None
     proposal = AdaptiveProposal(model, *args, init=start, max_plate_nesting=max_plate_nesting, **kwargs)
@@ -198,10 +252,6 @@ def adapted_proposal(model, guide, args, kwargs, rounds, draws, num_samples, max
         proposal = fitted_to_guide(
             model, guide, proposal, args, kwargs, draws, num_samples, max_plate_nesting
         )
-
-    def measure(candidate: AdaptiveProposal) -> float:
-        return mean_log_evidence(candidate, model, args, kwargs, draws, num_samples)
-
     proposal = laplace_started(model, proposal, args, kwargs, measure)
     return best_of_rounds(model, proposal, args, kwargs, rounds, draws, num_samples, measure, progress)
 
@@ -215,15 +265,26 @@ def laplace_started(model, proposal: AdaptiveProposal, args, kwargs, measure: Ca
     freedom in many dims spreads its particles' radii far wider than the posterior's, and the
     weights with them.
     """
+    candidate = laplace_proposal(model, proposal, args, kwargs)
+    if candidate is None:
+        return proposal
+    return candidate if measure(candidate) > measure(proposal) else proposal
+
+
+def laplace_proposal(model, proposal: AdaptiveProposal, args, kwargs) -> Optional[AdaptiveProposal]:
+    """
+    The proposal read from the model's Laplace approximation, Newton steps from ``proposal``'s mean
+    (the globals widened by :func:`globals_widening`, their Student-t's degrees of freedom at least
+    their number), or ``None`` where it does not exist.
+    """
     approximation = laplace_approximation(model, proposal, proposal_mean(proposal), args, kwargs)
     if approximation is None:
-        return proposal
+        return None
     num_globals = proposal.num_globals
     df = proposal.global_proposal.df if proposal.globals else None
     if df is not None:
         df = max(df, float(num_globals))
-    candidate = proposal.fitted_to_gaussian(approximation, globals_widening(num_globals), WIDEN_LOCALS, df)
-    return candidate if measure(candidate) > measure(proposal) else proposal
+    return proposal.fitted_to_gaussian(approximation, globals_widening(num_globals), WIDEN_LOCALS, df)
 
 
 def globals_widening(num_globals: int) -> float:
@@ -270,12 +331,18 @@ def best_of_rounds(model, proposal, args, kwargs, rounds, draws, num_samples, me
 
 def mean_log_evidence(proposal, model, args, kwargs, draws: int, num_samples: int) -> float:
     """The mean ``log P_TMC`` of ``draws`` TMC draws of K = ``num_samples`` under ``proposal``."""
+    values = log_evidences(proposal, model, args, kwargs, draws, num_samples)
+    return sum(values) / len(values)
+
+
+def log_evidences(proposal, model, args, kwargs, draws: int, num_samples: int) -> list[float]:
+    """The ``log P_TMC`` of each of ``draws`` TMC draws of K = ``num_samples`` under ``proposal``."""
     elbo = TMC_ELBO(num_samples=num_samples, max_plate_nesting=proposal.max_plate_nesting)
     values = []
     for _ in range(draws):
         with torch.no_grad():
             values.append(float(elbo.draw(model, proposal, *args, **kwargs).log_estimate()))
-    return sum(values) / len(values)
+    return values
 
 
 def fitted_to_guide(model, guide, proposal, args, kwargs, draws, num_samples, max_plate_nesting):

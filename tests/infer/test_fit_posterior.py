@@ -261,3 +261,38 @@ def test_draw_weights_are_pareto_smoothed():
     assert not torch.allclose(pooled.draw_weights, raw, atol=1e-3)  # (the second largest: 0.172 -> 0.091)
     short = TMCPosterior(hierarchical_model, _draws_with_log_evidences(log_evidences[:20]))
     assert torch.allclose(short.draw_weights, torch.softmax(log_evidences[:20], 0))
+
+
+def test_training_is_skipped_where_the_laplace_start_measures_well(fitted):
+    """A linear-Gaussian model: its Laplace approximation is the posterior, so no SVI step is taken."""
+    assert "losses" not in fitted.history
+    assert fitted.history["laplace_spread"] <= 1.0
+
+
+def test_a_funnel_is_trained_first():
+    """Eight schools' centered funnel: the Laplace start's draws spread by nats, so the guide is trained."""
+    effects = torch.tensor([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0])
+    stddevs = torch.tensor([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0])
+
+    def eight_schools(effects, stddevs):
+        mu = pyro.sample("mu", dist.Normal(0.0, 10.0))
+        log_tau = pyro.sample("log_tau", dist.Normal(5.0, 1.0))
+        with pyro.plate("schools", len(stddevs)):
+            theta = pyro.sample("theta", dist.Normal(mu, log_tau.exp()))
+            pyro.sample("y", dist.Normal(theta, stddevs), obs=effects)
+
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    fitted = fit_posterior(
+        eight_schools,
+        effects,
+        stddevs,
+        num_steps=20,
+        adapt_rounds=1,
+        adapt_draws=6,
+        num_draws=2,
+        max_draws=2,
+        max_plate_nesting=1,
+        progress=False,
+    )
+    assert len(fitted.history["losses"]) == 20 and fitted.history["laplace_spread"] > 1.0
