@@ -96,6 +96,7 @@ from pyro_tmc.compile.loop_rolling import (
     count_operations,
     eliminate_dead_code,
     graph_constants,
+    merge_repeated_zeros,
     roll,
     rolled_runner,
 )
@@ -117,6 +118,12 @@ from pyro_tmc.ops.capture import (
     deferred_underflow_checks,
     merge_repair_counts,
 )
+
+#: a whole step's graph is rolled only where the plan runs at most ``1 - ROLL_GAIN`` of its
+#: operations: recording the rolled step costs about a replay or two of the step, and a plan
+#: that batches less than this finds no loop (the HMM of 1,000 steps, whose forward was rolled:
+#: 1,119 operations planned as 1,119 groups)
+ROLL_GAIN = 0.1
 
 #: a rolled graph's ``meta`` key: how many operations the graph it was rolled from had (its
 #: forward's, or, for a step with a custom backward, the whole step's)
@@ -552,16 +559,24 @@ def _rolled(
     """
     A whole step's graph, backward included, rolled (:func:`pyro_tmc.compile.loop_rolling.roll`)
     where it has more than ``roll_above`` operations and rolling makes it smaller; else itself.
+    Its repeated zero gradients are merged first
+    (:func:`~pyro_tmc.compile.loop_rolling.merge_repeated_zeros`): a step whose forward was
+    rolled is then about as small as rolled again, and is recorded again only where the plan
+    batches at least :data:`ROLL_GAIN` of its operations.
     """
     eliminate_dead_code(graph.graph)
+    merge_repeated_zeros(graph.graph)
     if roll_above is None or count_operations(graph) <= roll_above:
         return graph
     try:
-        rolled = roll(graph, inputs, batch_draws, trace=_recorded_rolled if record_graphs else None)
+        at_most = int((1 - ROLL_GAIN) * count_operations(graph))
+        rolled = roll(
+            graph, inputs, batch_draws, trace=_recorded_rolled if record_graphs else None, at_most=at_most
+        )
     except Exception as error:  # the unrolled graph is always right
         _warn_not_rolled(error)
         return graph
-    if count_operations(rolled) >= count_operations(graph):
+    if rolled is None or count_operations(rolled) >= count_operations(graph):
         return graph
     rolled.meta[ROLLED_FROM] = count_operations(graph)
     return rolled

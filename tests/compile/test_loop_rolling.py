@@ -27,7 +27,13 @@ from pyro_tmc.compile.captured_step import (
     flatten_arguments,
     unconstrained_parameters,
 )
-from pyro_tmc.compile.loop_rolling import LARGE_MEMBER, collapse_sum_chains, count_operations, roll
+from pyro_tmc.compile.loop_rolling import (
+    LARGE_MEMBER,
+    collapse_sum_chains,
+    count_operations,
+    merge_repeated_zeros,
+    roll,
+)
 from tests.common.compile_cases import cases, chain_guide, chain_model
 
 
@@ -187,6 +193,35 @@ def test_a_collapsed_sum_chain_knows_its_stacks_length():
     assert collapse_sum_chains(graph.graph) == 2
     stacks = [n for n in graph.graph.nodes if n.target is torch.ops.aten.stack.default]
     assert sorted(tuple(n.meta["val"].shape) for n in stacks) == [(3, 3), (5, 3)]
+
+
+def test_repeated_zeros_merge_unless_written_or_returned():
+    """
+    Like ``zeros([]).expand(shape)`` (autograd's zero gradients) become one node and give the
+    same values; a zeros written into, or one an output views, keeps its own memory.
+    """
+    aten = torch.ops.aten
+
+    def step(x):
+        sums = [aten.zeros.default([]).expand([3]) + x[i] for i in range(4)]  # four like pairs: one
+        written = aten.zeros.default([])
+        written.add_(x[0, 0])  # a write: not merged with the others
+        returned = aten.zeros.default([]).expand([3])  # an output views it: not merged
+        return torch.stack(sums), written + 1.0, returned
+
+    x = torch.randn(4, 3)
+    graph = make_fx(step, tracing_mode="fake")(x)
+    expected = graph(x)
+
+    def count(target):
+        return sum(node.target is target for node in graph.graph.nodes)
+
+    assert count(aten.zeros.default) == 6
+    assert merge_repeated_zeros(graph.graph) == 6  # three zeros and three expands
+    graph.recompile()
+    assert count(aten.zeros.default) == 3 and count(aten.expand.default) == 2
+    for got, want in zip(graph(x), expected):
+        assert torch.equal(got, want)
 
 
 def test_gradients_vmap_cannot_batch_run_one_by_one(capfd):
