@@ -4,6 +4,7 @@
     python benchmarks/first_step.py --cases hmm200 --modes inductor
     python benchmarks/first_step.py --warm                        # inductor's caches filled first
     python benchmarks/first_step.py --modes graph-traced,graph    # make_fx's traces against recordings
+    python benchmarks/first_step.py --modes inductor,inductor-background
 
 Cases (one ``loss_and_grads`` of ``TMC_ELBO`` per step):
 
@@ -20,7 +21,11 @@ Cases (one ``loss_and_grads`` of ``TMC_ELBO`` per step):
 A mode ending in ``-traced`` is that mode with ``CompileConfig(record_graphs=False)``: every graph
 of the capture traced by ``make_fx`` with fake tensors, as before the capture recorded them on
 real tensors (:mod:`pyro_tmc.compile.recording`); the table ends with each case's ratios,
-traced over recorded, of the first steps and of each phase.
+traced over recorded, of the first steps and of each phase. ``inductor-background`` is
+``inductor`` with ``CompileConfig(compile_in_background=True)``: its first steps replay the
+uncompiled graph while a child process compiles; its row adds when the compile was done (from
+the first step) and the seconds of the step that switched to the compiled code, and its per-step
+column is the compiled step's.
 
 Each case and mode runs in a child process of its own, with cold inductor caches (a fresh
 ``TORCHINDUCTOR_CACHE_DIR``; ``--warm`` runs it once before, into the same directory): the
@@ -57,6 +62,8 @@ CASES = ("hmm200", "hmm1000", "chain1000")
 MODES = ("graph", "inductor", "numpyro")
 #: a pyro_tmc mode with this suffix traces every graph with make_fx (``record_graphs=False``)
 TRACED = "-traced"
+#: ``inductor`` with this suffix compiles in a child process (``compile_in_background=True``)
+BACKGROUND = "-background"
 FIRST_CALLS = 8
 TIMED_STEPS = 20
 
@@ -110,7 +117,9 @@ def pyro_tmc_case(case: str, mode: str):
 
     # only where asked: benchmarks/ab.py runs this with earlier versions, whose config has no such field
     options = CompileConfig(record_graphs=False) if mode.endswith(TRACED) else None
-    mode = mode.removesuffix(TRACED)
+    if mode.endswith(BACKGROUND):
+        options = CompileConfig(compile_in_background=True)
+    mode = mode.removesuffix(TRACED).removesuffix(BACKGROUND)
     if case.startswith("hmm"):
         observations, locs = hmm_data(int(case[3:]))
         model, guide = make_hmm(locs)
@@ -144,6 +153,7 @@ def run_pyro_tmc(case: str, mode: str) -> dict:
         return value
 
     calls, values = [], []
+    started = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", RuntimeWarning)
         for _ in range(FIRST_CALLS):
@@ -151,13 +161,21 @@ def run_pyro_tmc(case: str, mode: str) -> dict:
             values.append(step())
             calls.append(time.perf_counter() - start)
     messages = [str(w.message)[:200] for w in caught if str(w.message).startswith("pyro_tmc")]
+    program = loss.step_program
+    background = {}
+    if mode.endswith(BACKGROUND):  # when the child's compile was done, and the step that switched to it
+        program.wait_for_compiles()
+        background["compiled_after_s"] = time.perf_counter() - started
+        start = time.perf_counter()
+        step()
+        background["switch_s"] = time.perf_counter() - start
     seconds = []
     for _ in range(TIMED_STEPS):
         start = time.perf_counter()
         step()
         seconds.append(time.perf_counter() - start)
-    program = loss.step_program
     return {
+        **background,
         "first_steps_s": sum(calls),
         "calls_s": calls,
         "phases_s": program.phase_seconds(),
@@ -322,6 +340,8 @@ def row(case: str, mode: str, result: dict) -> str:
     loss = f"{result['loss']:.3f}" + (
         "" if exact is None else (" (exact)" if abs(result["loss"] - exact) <= 1e-4 * exact else " (WRONG)")
     )
+    if "compiled_after_s" in result:  # compiled in the background
+        phases += f"; compiled after {result['compiled_after_s']:.1f}, switched in {result['switch_s']:.2f}"
     first = result["first_steps_s"]
     return f"| {case} | {method} | {result['ms_per_step']:.2f} | {first:.1f} | {phases} | {loss} |"
 
@@ -331,7 +351,7 @@ def main(argv=None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {CASES}")
-    modes_help = f"comma-separated, of {MODES} (or a pyro_tmc one + {TRACED!r})"
+    modes_help = f"comma-separated, of {MODES} (or a pyro_tmc one + {TRACED!r}, or inductor{BACKGROUND})"
     parser.add_argument("--modes", default=",".join(MODES), help=modes_help)
     parser.add_argument("--warm", action="store_true", help="fill inductor's caches with one run first")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per case and mode")
