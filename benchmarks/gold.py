@@ -951,7 +951,11 @@ def plot(rows: Sequence[dict], path: str) -> None:
             legend.setdefault(label, handle)
     if legend:  # none where every row failed
         fig.legend(
-            list(legend.values()), list(legend), loc="lower center", ncol=min(len(legend), 4), fontsize="small"
+            list(legend.values()),
+            list(legend),
+            loc="lower center",
+            ncol=min(len(legend), 4),
+            fontsize="small",
         )
     fig.tight_layout(rect=(0, 0.15, 1, 1))
     fig.savefig(path, dpi=80)
