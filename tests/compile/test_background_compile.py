@@ -1,0 +1,37 @@
+"""A captured step compiled in a child process: the switch to its compiled code is a cache hit."""
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from pyro_tmc.compile import CompileConfig
+from pyro_tmc.compile.background_compile import BackgroundCompile
+from pyro_tmc.compile.compiled import compile_captured_graph
+
+
+def _compile(graph, examples, settings):
+    """The compile the child runs, and this process after it (module level: pickled by reference)."""
+    return compile_captured_graph(graph, examples, settings, CompileConfig().cpu_step_settings)
+
+
+def test_the_switch_to_the_childs_compile_hits_aot_autograds_cache(monkeypatch, tmp_path):
+    """
+    The child compiles the graph as a replay runs it, without grad: grad mode is part of the key
+    of AOTAutograd's cache, and a child that compiled with grad on left the step that switched a
+    miss there (only inductor's cache, keyed after AOTAutograd's trace of the whole graph, hit).
+    """
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    x = torch.randn(8, 3)
+    graph = make_fx(lambda t: ((t.sin() * 2.0).sum(0),))(x)
+    step = BackgroundCompile(graph, {}, _compile)
+    with torch.no_grad():  # as a replay calls it
+        (first,) = step(x)  # starts the child, replays uncompiled
+        step.wait()
+        counters["aot_autograd"].clear()
+        (second,) = step(x)  # compiles here, from the child's caches, and runs compiled
+    assert step.uncompiled_calls == 1 and step.compiled is not None
+    assert counters["aot_autograd"]["autograd_cache_hit"] == 1, dict(counters["aot_autograd"])
+    assert counters["aot_autograd"]["autograd_cache_miss"] == 0
+    for value in (first, second):
+        assert torch.allclose(value, (x.sin() * 2.0).sum(0))
