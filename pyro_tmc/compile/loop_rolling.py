@@ -125,6 +125,11 @@ MAX_GATHER_WASTE = 4
 MIN_GROUP_SIZE = 4
 LARGE_MEMBER = 2**16
 
+#: at most this many of a group's members (and at most an eighth of them) are read one by one, by a
+#: ``select`` each, before the group is unbound (:class:`_Batched`); an ``unbind`` of which at most
+#: as many outputs are read is written as their selects (:func:`narrow_unbinds`)
+MAX_SELECTED_MEMBERS = 8
+
 
 # -- the graph's facts ----------------------------------------------------------------------
 
@@ -371,6 +376,41 @@ def merge_repeated_zeros(graph: Graph) -> int:
     return merged
 
 
+def narrow_unbinds(graph: Graph) -> int:
+    """
+    Write an ``unbind`` of which few outputs are read as a ``select`` of each of those: the same
+    views of the same tensor. Run, an ``unbind`` makes all its outputs, read or not (a graph keeps
+    only the ``getitem`` of each read one), and its backward gives each unread one a zero gradient:
+    the 1,000-step HMM's estimate unbinds a 500-row stack of which it reads one row, and each
+    such unbind cost 500 outputs and 499 zero gradients in the rolled step's recorded backward.
+
+    :returns: how many unbinds were narrowed.
+    """
+    narrowed = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not aten.unbind.int:
+            continue
+        value, items = _value(node), list(node.users)
+        if not all(item.target is operator.getitem and isinstance(item.args[1], int) for item in items):
+            continue
+        readers = [item for item in items if item.users]  # a getitem nobody reads goes
+        if not isinstance(value, (tuple, list)) or len(readers) > _select_at_most(len(value)):
+            continue
+        source, dim = node.args[0], _argument(node, 1, "dim", 0)
+        for item in items:
+            if not item.users:
+                graph.erase_node(item)
+        for reader in readers:
+            with graph.inserting_before(reader):
+                row = graph.call_function(aten.select.int, (source, dim, reader.args[1]), name="select")
+            row.meta.update(reader.meta)
+            reader.replace_all_uses_with(row)
+            graph.erase_node(reader)
+        graph.erase_node(node)
+        narrowed += 1
+    return narrowed
+
+
 def mutation_order(graph: Graph) -> tuple[dict[Node, list[Node]], set]:
     """
     For the mutations left in a graph (an in-place write into a slice of a
@@ -556,19 +596,36 @@ _SHARED = object()
 
 
 class _Batched:
-    """A group's stacked output (a tensor, or a pytree of tensors, with the members along dim 0)."""
+    """
+    A group's stacked output (a tensor, or a pytree of tensors, with the members along dim 0).
+
+    A member of a stacked tensor is read as a ``select`` of its row while few of a large group's
+    rows are read (a loop's first or last step, read by the code after the loop), and the group
+    is unbound once for every reader after that: an ``unbind`` of 1,000 rows of which one is read
+    makes 1,000 outputs, and its backward a zero gradient for each of the 999 others (of the
+    9,500 operations of the 1,000-link chain's recorded backward, 3,000).
+    """
 
     def __init__(self, value: Any, size: int) -> None:
         self.value = value
         self.size = size
         self._unbound: Optional[list[Any]] = None
+        self._selected: dict[int, torch.Tensor] = {}
 
     def member(self, index: int) -> Any:
-        if self._unbound is None:
-            # unbound once, for every reader: in grad mode, whatever the first reader's (the
-            # members of a value computed without grad do not require it either way)
-            with torch.enable_grad():
-                self._unbind()
+        if self._unbound is not None:
+            return self._unbound[index]
+        if isinstance(self.value, torch.Tensor):
+            row = self._selected.get(index)
+            if row is None and len(self._selected) < _select_at_most(self.size):
+                with torch.enable_grad():  # as the unbind below
+                    row = self._selected[index] = self.value.select(0, index)
+            if row is not None:
+                return row
+        # unbound once, for every reader: in grad mode, whatever the first reader's (the
+        # members of a value computed without grad do not require it either way)
+        with torch.enable_grad():
+            self._unbind()
         return self._unbound[index]
 
     def _unbind(self) -> None:
@@ -578,6 +635,13 @@ class _Batched:
             leaves, spec = tree_flatten(self.value)
             rows = zip(*(leaf.unbind(0) for leaf in leaves))
             self._unbound = [tree_unflatten(list(row), spec) for row in rows]
+        for index, row in self._selected.items():  # a member read already keeps its value
+            self._unbound[index] = row
+
+
+def _select_at_most(size: int) -> int:
+    """How many of a group's ``size`` members are read by a ``select`` each before it is unbound."""
+    return min(MAX_SELECTED_MEMBERS, size // 8)
 
 
 class RolledStep:
@@ -1018,6 +1082,7 @@ def rolled_runner(module: GraphModule, batch_draws: bool = False) -> RolledStep:
     merge_equal_constants(module)
     replace_fresh_fills(graph)
     eliminate_dead_code(graph)
+    narrow_unbinds(graph)
     collapse_sum_chains(graph)
     module.recompile()
     return RolledStep(module, plan_groups(graph, batch_draws))

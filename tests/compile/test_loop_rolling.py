@@ -29,9 +29,12 @@ from pyro_tmc.compile.captured_step import (
 )
 from pyro_tmc.compile.loop_rolling import (
     LARGE_MEMBER,
+    MAX_SELECTED_MEMBERS,
+    _Batched,
     collapse_sum_chains,
     count_operations,
     merge_repeated_zeros,
+    narrow_unbinds,
     roll,
 )
 from tests.common.compile_cases import cases, chain_guide, chain_model
@@ -222,6 +225,57 @@ def test_repeated_zeros_merge_unless_written_or_returned():
     assert count(aten.zeros.default) == 3 and count(aten.expand.default) == 2
     for got, want in zip(graph(x), expected):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("read", [[0, 37], list(range(40))])
+def test_an_unbind_read_at_a_few_rows_becomes_their_selects(read):
+    """
+    An ``unbind`` of 64 rows of which two are read is their two ``select``: the same values and
+    gradients, without 62 unread outputs (and their zero gradients in the backward). One of
+    which most rows are read stays an ``unbind``.
+    """
+    aten = torch.ops.aten
+
+    def step(x):
+        rows = (x * 2.0).unbind(0)
+        return torch.stack([rows[i] * (i + 1) for i in read]).sum()
+
+    x = torch.randn(64, 3)
+    graph = make_fx(step, tracing_mode="fake")(x)
+    narrowed = make_fx(step, tracing_mode="fake")(x)
+    few = len(read) <= MAX_SELECTED_MEMBERS
+    assert narrow_unbinds(narrowed.graph) == (1 if few else 0)
+    narrowed.recompile()
+    targets = [node.target for node in narrowed.graph.nodes]
+    assert (aten.unbind.int in targets) is not few
+    assert targets.count(aten.select.int) == (len(read) if few else 0)
+    grads = []
+    for module in (graph, narrowed):
+        leaf = x.clone().requires_grad_()
+        value = module(leaf)
+        grads.append((value, *torch.autograd.grad(value, leaf)))
+    for got, want in zip(grads[1], grads[0]):
+        assert torch.equal(got, want)
+
+
+def test_a_few_members_of_a_large_group_are_selected_then_it_is_unbound():
+    """
+    A batched group's members read one by one: by a ``select`` each while at most
+    ``MAX_SELECTED_MEMBERS`` (and an eighth of the group) are read, then by one ``unbind`` for
+    the rest; a member read before keeps its value.
+    """
+    stacked = torch.randn(80, 3, requires_grad=True) * 1.0
+    batched = _Batched(stacked, 80)
+    first = [batched.member(i) for i in range(MAX_SELECTED_MEMBERS)]
+    assert all(type(row.grad_fn).__name__ == "SelectBackward0" for row in first)
+    assert batched.member(0) is first[0]
+    later = batched.member(MAX_SELECTED_MEMBERS)
+    assert type(later.grad_fn).__name__ == "UnbindBackward0"
+    assert batched.member(3) is first[3]
+    for index in range(80):
+        assert torch.equal(batched.member(index), stacked[index])
+    small = _Batched(torch.randn(4, 2, requires_grad=True) * 1.0, 4)  # a small group: unbound at once
+    assert type(small.member(1).grad_fn).__name__ == "UnbindBackward0"
 
 
 def test_gradients_vmap_cannot_batch_run_one_by_one(capfd):
