@@ -38,8 +38,10 @@ product. Sites are matched by name, as ``vectorized_markov`` itself matches them
 (``"<var>0"``, ``"<var>slice(0, T-1, None)"``, ``"<var>slice(1, T, None)"``).
 
 Not supported (a :class:`ValueError` names the site): ``history > 1``, a guide
-whose draws at a step depend on the step before (that is sequential by nature:
-a factorised guide over time is what can be drawn at once), a chained latent
+whose draws at a step depend on the step before through its distribution's
+parameters (a guide that follows the chain draws its later steps as one
+:class:`~pyro_tmc.infer.chain_proposal.ChainProposal`, whose particles hold
+their ancestors and whose density is over the site's own particles), a chained latent
 that the model samples itself, different particle counts along the chain, and
 a time dim that is subsampled or scaled. ``sample_posterior`` and
 ``predictive_log_likelihood`` raise :class:`NotImplementedError` on such a chain.

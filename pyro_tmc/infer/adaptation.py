@@ -38,10 +38,10 @@ import torch
 from pyro.ops.packed import pack
 
 from pyro_tmc.estimate.factors import LogFactor, contract_estimate
+from pyro_tmc.estimate.vectorized_markov import step_particle_dim
 from pyro_tmc.infer.adaptive_proposal import GLOBALS_SITE, AdaptiveProposal, LocalDraws
 from pyro_tmc.infer.posterior import marginals_and_log_estimate
 from pyro_tmc.infer.tmc_elbo import TMC_ELBO
-from pyro_tmc.poutine.sites import own_particle_dim, particle_symbol
 
 READOUTS = ("auto", "factors", "samples", "marginals")
 #: above this many elements in one local's factor read-out (its particle combinations x its
@@ -136,6 +136,9 @@ def factor_elements(proposal: AdaptiveProposal, num_samples: int) -> int:
     global_k = proposal.global_samples or num_samples
     total = 0
     for layout in proposal.locals:
+        if layout.name in proposal.chain_links:  # a chain's step and the step before, value and regressor
+            total = max(total, num_samples**2 * math.prod(layout.batch_shape) * 3)
+            continue
         parents = proposal.parents[layout.name]
         combinations = num_samples ** (1 + len(parents)) * (global_k if proposal.globals else 1)
         coordinates = layout.event_size + proposal.num_regressors(layout.name) + 1
@@ -201,7 +204,10 @@ def read_factor_posteriors(draw, proposal: AdaptiveProposal):
     site over exactly those particle dims (and the site's plates): d log P_TMC / d source is the
     posterior weight of each combination of their particles. The sources join the draw's factors
     as factors of their own, so no site's factor changes; a local whose proposal depends on its
-    parents shares its factor's dims with the model's conditional already.
+    parents shares its factor's dims with the model's conditional already. A ``vectorized_markov``
+    chain's later steps (:attr:`AdaptiveProposal.chain_links`) span their own particles and the step
+    before's (the first step's dim, which the previous steps take) at each step: the pairwise
+    posterior that a proposal following the chain is fitted to, regressed on the step before alone.
 
     :returns: ``log P_TMC``; the globals' ``(values (K, G), weights (K,))`` or ``None``; and local
         site -> :class:`~pyro_tmc.infer.adaptive_proposal.LocalDraws` over that draw's combinations
@@ -210,12 +216,19 @@ def read_factor_posteriors(draw, proposal: AdaptiveProposal):
     model_trace, guide_trace = draw.model_trace, draw.guide_trace
     aux = guide_trace.nodes.get(GLOBALS_SITE) if proposal.globals else None
     layouts = {}  # name -> (the particle sites its source spans, first the site's own)
+    regressors = {}  # local name -> the sites whose values are its regressors, in order
     if aux is not None:
         layouts[GLOBALS_SITE] = [aux]
     for layout in proposal.locals:
         site = model_trace.nodes[layout.name]
+        link = proposal.chain_links.get(layout.name)
+        if link is not None:
+            layouts[layout.name] = [site, model_trace.nodes[link.first]]
+            regressors[layout.name] = [model_trace.nodes[link.previous]]
+            continue
         parents = [model_trace.nodes[p] for p in proposal.parents[layout.name]]
         layouts[layout.name] = [site] + parents + ([aux] if aux is not None else [])
+        regressors[layout.name] = ([aux] if aux is not None else []) + parents
     sources = {name: _source(sites, model_trace) for name, sites in layouts.items()}
     with torch.enable_grad():
         factors = draw.factors()
@@ -236,7 +249,9 @@ def read_factor_posteriors(draw, proposal: AdaptiveProposal):
         )
         globals_read = (globals_read[0], globals_read[1] / globals_read[1].sum())
     locals_read = {
-        layout.name: _local_draws(layout, proposal, layouts[layout.name], weights[layout.name], aux)
+        layout.name: _local_draws(
+            layout, proposal, layouts[layout.name][0], regressors[layout.name], weights[layout.name]
+        )
         for layout in proposal.locals
     }
     return log_estimate.detach().reshape(()), globals_read, locals_read
@@ -246,10 +261,10 @@ def _source(sites: list, model_trace) -> torch.Tensor:
     """A packed zero tensor over each site's own particle dim and the first site's plates."""
     dim_to_symbol, sizes = {}, {}
     for site in sites:
-        dim = own_particle_dim(site)
+        dim = step_particle_dim(site)  # a chain's first step may be a point mass (a global's Delta)
         value = site["value"]
         batch_ndim = value.dim() - site["fn"].event_dim
-        dim_to_symbol[dim] = particle_symbol(site)
+        dim_to_symbol[dim] = site["infer"]["_dim_to_symbol"][dim]
         sizes[dim] = value.shape[batch_ndim + dim] if -dim <= batch_ndim else 1
     for frame in sites[0]["cond_indep_stack"]:
         if frame.vectorized:
@@ -261,17 +276,19 @@ def _source(sites: list, model_trace) -> torch.Tensor:
     return pack(source, dim_to_symbol)
 
 
-def _local_draws(layout, proposal, sites: list, weights: torch.Tensor, aux) -> LocalDraws:
+def _local_draws(layout, proposal, site, regressor_sites: list, weights: torch.Tensor) -> LocalDraws:
     """A site's values and regressors at every combination of its source's particles, with their weights."""
     length = weights.dim()
     plates = proposal.max_plate_nesting
-    value = layout.unconstrained(sites[0]["value"].detach().double())
+    value = layout.unconstrained(site["value"].detach().double())
     parts = []
-    if aux is not None:
-        parts.append(aux["value"].detach().double())  # the globals' unconstrained coordinates
-    for parent in proposal.parents[layout.name]:
-        parent_site = next(s for s in sites if s["name"] == parent)
-        parts.append(proposal.layouts[parent].unconstrained(parent_site["value"].detach().double()))
+    for regressor in regressor_sites:
+        if regressor["name"] == GLOBALS_SITE:  # the globals' unconstrained coordinates
+            parts.append(regressor["value"].detach().double())
+            continue
+        # a chain's previous steps are not covered: they take the later steps' support
+        regressor_layout = proposal.layouts.get(regressor["name"], layout)
+        parts.append(regressor_layout.unconstrained(regressor["value"].detach().double()))
     shape = weights.shape
     weights = weights.double()
 

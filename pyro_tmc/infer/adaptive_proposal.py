@@ -23,7 +23,12 @@ unconstrained space (``biject_to(support)``), event dims flattened:
   (eight schools' effects given their group's log sd) widen and narrow with the global scale
   (:class:`LogScaleRegression`; the scale is constant where the draws cannot support the fit).
   TMC draws such a site through its non-factorised proposals (:mod:`pyro_tmc.poutine.proposals`),
-  its density correct for the bound.
+  its density correct for the bound;
+- the later steps of a ``vectorized_markov`` chain (one site for all of them: univariate, in no
+  plate but the time dim), once fitted to draws that hold the step before, follow the chain:
+  q(z_t | z_{t-1}) drawn from one particle of the step before
+  (:class:`~pyro_tmc.infer.chain_proposal.ChainProposal`), rather than each step on its own,
+  which a long chain's TMC estimate cannot afford.
 
 The guide runs the model itself, with each covered site's distribution replaced by its proposal
 and every other site hidden, so plates (same name, size and dim), ``pyro.markov`` contexts and the
@@ -36,6 +41,7 @@ References: Cappe, Guillin, Marin and Robert (2004) "Population Monte Carlo" (mo
 onto weighted draws); Aitchison (2019) "Tensor Monte Carlo", appendix on non-factorised proposals.
 """
 
+import dataclasses
 import functools
 import math
 from collections import Counter
@@ -55,6 +61,8 @@ from pyro.ops.provenance import get_provenance
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.runtime import Message
 
+from pyro_tmc.estimate.vectorized_markov import find_time_links
+from pyro_tmc.infer.chain_proposal import ChainProposal
 from pyro_tmc.poutine.sites import plate_nesting
 
 #: the auxiliary site that holds the globals' unconstrained values
@@ -189,12 +197,16 @@ class LocalProposal:
     :param torch.Tensor scale: shape ``S + (D,)``: the scale (at the globals' fitted centre, when
         ``log_scale`` is given).
     :param LogScaleRegression log_scale: how the scale follows the globals; ``None``: constant.
+    :param bool follows_previous: the site is a ``vectorized_markov`` chain's later steps and its one
+        regressor is the step before (:attr:`AdaptiveProposal.chain_links`): it is drawn as a
+        :class:`~pyro_tmc.infer.chain_proposal.ChainProposal`.
     """
 
     intercept: torch.Tensor
     coefficients: Optional[torch.Tensor]
     scale: torch.Tensor
     log_scale: Optional[LogScaleRegression] = None
+    follows_previous: bool = False
 
 
 class LocalDraws(NamedTuple):
@@ -277,6 +289,9 @@ class AdaptiveProposal:
             )
             for layout in self.locals
         }
+        #: a ``vectorized_markov`` chain's later-steps site -> its first step's site and its previous
+        #: steps' (the regressor of a proposal that follows the chain)
+        self.chain_links: dict[str, ChainLink] = _chain_links(trace, self.layouts, local_names)
         self.global_proposal: Optional[GlobalProposal] = None
         self.local_proposals: dict[str, LocalProposal] = {}
         if init is not None:
@@ -399,13 +414,21 @@ class AdaptiveProposal:
             )
         local_draws = {
             layout.name: LocalDraws(
-                columns[layout.name],
-                self._regressors(layout, columns) if regress and self.num_regressors(layout.name) else None,
-                weights,
+                columns[layout.name], self._fit_regressors(layout, columns, regress), weights
             )
             for layout in self.locals
         }
         return self.fitted_to_weighted(global_flat, global_weights, local_draws, widen_globals, widen_locals)
+
+    def _fit_regressors(self, layout: SiteLayout, columns: dict, regress: bool) -> Optional[torch.Tensor]:
+        """A local's regressors in :meth:`fitted`: a chain's step before, else the globals and its parents."""
+        if not regress:
+            return None
+        link = self.chain_links.get(layout.name)
+        if link is not None:  # the first step's value, then the later steps' without the last
+            first = columns[link.first].reshape(-1, 1, 1)
+            return torch.cat([first, columns[layout.name][:, :-1]], 1)
+        return self._regressors(layout, columns) if self.num_regressors(layout.name) else None
 
     def fitted_to_weighted(
         self,
@@ -432,16 +455,17 @@ class AdaptiveProposal:
                 global_values, global_weights, widen_globals, global_proposal.df
             )
         local_proposals = {
-            name: _fitted_local(
-                draws.values,
-                draws.regressors,
-                draws.weights,
-                widen_locals,
-                self.num_globals if self.scales_follow_globals else 0,
-            )
-            for name, draws in local_draws.items()
+            name: self._fitted_local(name, draws, widen_locals) for name, draws in local_draws.items()
         }
         return self._copy(global_proposal, local_proposals)
+
+    def _fitted_local(self, name: str, draws: LocalDraws, widen: float) -> LocalProposal:
+        """One local's fit; a chain's later steps regressed on the step before alone (``chain_links``)."""
+        if name not in self.chain_links:
+            num_globals = self.num_globals if self.scales_follow_globals else 0
+            return _fitted_local(draws.values, draws.regressors, draws.weights, widen, num_globals)
+        fit = _fitted_local(draws.values, draws.regressors, draws.weights, widen)
+        return dataclasses.replace(fit, follows_previous=fit.coefficients is not None)
 
     def _global_columns(self, columns: dict[str, torch.Tensor]) -> Optional[torch.Tensor]:
         """The globals' unconstrained draws concatenated: ``(N, G)``."""
@@ -477,6 +501,7 @@ class AdaptiveProposal:
                 intercept.to(_dtype()),
                 None if coefficients is None else coefficients.to(_dtype()),
                 scale.to(_dtype()),
+                follows_previous=name in self.chain_links and coefficients is not None,
             )
             for name, (intercept, coefficients, scale) in locals_part.items()
         }
@@ -563,6 +588,20 @@ class AdaptiveProposal:
         log_density = sum_rightmost(log_density, event_dim - layout.transform.codomain.event_dim)
         return dist.Delta(value, log_density=log_density, event_dim=event_dim)
 
+    def chain_distribution(self, layout: SiteLayout, first_value: torch.Tensor) -> ChainProposal:
+        """A chain's later steps that follow the step before, from the first step's particles' values."""
+        proposal = self.local_proposals[layout.name]
+        first_layout = self.layouts[self.chain_links[layout.name].first]
+        first = first_layout.unconstrained(first_value).reshape(-1)
+        if first.numel() != max(first_value.shape, default=1):
+            raise ValueError(
+                f"Site '{layout.name}': the first step's value has shape {tuple(first_value.shape)}; a "
+                "proposal that follows the chain reads its particles along one dim."
+            )
+        intercept, coefficient = proposal.intercept.reshape(-1), proposal.coefficients.reshape(-1)
+        first = first.to(intercept.dtype)
+        return ChainProposal(first, intercept, coefficient, proposal.scale.reshape(-1), layout.transform)
+
     def local_distribution(self, layout: SiteLayout, regressors: Optional[torch.Tensor]):
         """The proposal of a local site given its regressors' values (``... + S + (R,)``)."""
         proposal = self.local_proposals[layout.name]
@@ -609,6 +648,11 @@ class ProposalMessenger(Messenger):
             msg["infer"]["_markov_scope"] = Counter({n: c for n, c in scope.items() if n in self.layouts})
         if layout.name in self.is_global:
             msg["fn"] = self.proposal.global_value(layout, self.globals_flat)
+            return
+        local = self.proposal.local_proposals[layout.name]
+        if local.follows_previous and local.coefficients is not None:
+            first = self.values[self.proposal.chain_links[layout.name].first]
+            msg["fn"] = self.proposal.chain_distribution(layout, first)
             return
         msg["fn"] = self.proposal.local_distribution(layout, self._regressors(layout))
 
@@ -793,6 +837,28 @@ def _scoring_step(theta, current, squared, w, features, cholesky, log_likelihood
 
 
 # -- reading the model ---------------------------------------------------------------------------
+
+
+class ChainLink(NamedTuple):
+    """A ``vectorized_markov`` chain's first-step site and previous-steps site, for its later steps."""
+
+    first: str
+    previous: str
+
+
+def _chain_links(trace, layouts: dict[str, SiteLayout], local_names: set) -> dict[str, ChainLink]:
+    """
+    The later-steps sites of ``vectorized_markov`` chains that a :class:`ChainProposal` can follow:
+    univariate, in no plate but the time dim, their first step covered too.
+    """
+    links = {}
+    for link in find_time_links(trace):
+        layout = layouts.get(link.current)
+        if layout is None or link.current not in local_names or link.first not in layouts:
+            continue
+        if len(layout.batch_shape) == 1 and layout.event_size == 1 and layouts[link.first].size == 1:
+            links[link.current] = ChainLink(link.first, link.previous)
+    return links
 
 
 def _is_covered(site) -> bool:

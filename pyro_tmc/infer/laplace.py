@@ -35,6 +35,7 @@ import torch
 
 from pyro import poutine
 
+from pyro_tmc.infer.chain_proposal import chain_scan
 from pyro_tmc.poutine.sites import structure_trace
 
 #: coordinates above which the Hessian (one backward pass each) is not attempted
@@ -170,7 +171,9 @@ def _derivatives(log_density, point: torch.Tensor) -> Optional[tuple[float, torc
 def log_joint(model: Callable, proposal, u: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
     """
     The model's log joint density at unconstrained coordinates ``u`` (shape ``(N,)``), with each
-    site's log-Jacobian: the density of the coordinates themselves.
+    site's log-Jacobian: the density of the coordinates themselves. A ``vectorized_markov`` chain's
+    previous steps are its first step's value and its later steps' without the last, and are not
+    scored (as ``vectorized_markov`` marks them).
     """
     values, log_jacobian = {}, u.new_zeros(())
     for name, coordinates in split_coordinates(proposal, u).items():
@@ -178,8 +181,14 @@ def log_joint(model: Callable, proposal, u: torch.Tensor, args: tuple, kwargs: d
         value = layout.transform(coordinates.to(torch.get_default_dtype()))
         values[name] = value
         log_jacobian = log_jacobian + layout.transform.log_abs_det_jacobian(coordinates, value).sum().double()
+    for current, link in proposal.chain_links.items():
+        values[link.previous] = torch.cat([values[link.first].reshape(1), values[current][:-1]])
     trace = poutine.trace(poutine.condition(model, values)).get_trace(*args, **kwargs)
-    return trace.log_prob_sum().double() + log_jacobian
+    return trace.log_prob_sum(_scored).double() + log_jacobian
+
+
+def _scored(name: str, site) -> bool:
+    return not site["infer"].get("_do_not_score")
 
 
 def split_coordinates(proposal, u: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -196,12 +205,13 @@ def split_coordinates(proposal, u: torch.Tensor) -> dict[str, torch.Tensor]:
 
 def _covers_every_latent(model, proposal, args, kwargs) -> bool:
     trace = structure_trace(model, args, kwargs)
+    previous_steps = {link.previous for link in proposal.chain_links.values()}  # set by log_joint
     latent = [
         name
         for name, site in trace.nodes.items()
         if site["type"] == "sample" and not site["is_observed"] and hasattr(site["fn"], "batch_shape")
     ]
-    return all(name in proposal.layouts for name in latent)
+    return all(name in proposal.layouts or name in previous_steps for name in latent)
 
 
 def proposal_mean(proposal) -> torch.Tensor:
@@ -219,7 +229,17 @@ def proposal_mean(proposal) -> torch.Tensor:
     for layout in proposal.locals:
         local = proposal.local_proposals[layout.name]
         loc = local.intercept.double()
-        if local.coefficients is not None:
+        if local.follows_previous and local.coefficients is not None:  # the chain's means, step by step
+            first = means[proposal.chain_links[layout.name].first].reshape(1)
+            steps = loc.reshape(-1)
+            loc = chain_scan(
+                first,
+                steps,
+                local.coefficients.double().reshape(-1),
+                torch.zeros_like(steps).unsqueeze(-1),
+                torch.zeros(len(steps), 1, dtype=torch.long),
+            ).reshape(loc.shape)
+        elif local.coefficients is not None:
             parts = [globals_loc.expand(layout.batch_shape + globals_loc.shape)]
             parts += [
                 means[p].expand(layout.batch_shape + means[p].shape[-1:])
@@ -238,7 +258,8 @@ def gaussian_proposals(
     The members of ``proposal``'s family closest to a Gaussian over its coordinates: the globals'
     marginal (mean, Cholesky factor of the covariance times ``widen_globals``), and each local's
     conditional given its regressors, per element (intercept, coefficients, conditional sd times
-    ``widen_locals``).
+    ``widen_locals``); a ``vectorized_markov`` chain's later steps
+    (:attr:`~pyro_tmc.infer.adaptive_proposal.AdaptiveProposal.chain_links`) given the step before alone.
 
     :returns: ``(loc, scale_tril)`` of the globals (or ``None`` without globals), and local site ->
         ``(intercept, coefficients, scale)`` with the shapes of :class:`LocalProposal`'s fields.
@@ -257,6 +278,11 @@ def gaussian_proposals(
     locals_part = {}
     for layout in proposal.locals:
         target = _element_index(layout, offsets[layout.name], layout.batch_shape)  # S + (D,)
+        link = proposal.chain_links.get(layout.name)
+        if link is not None:  # a chain's later steps given the step before: the first step's, then their own
+            previous = torch.cat([torch.tensor([[offsets[link.first]]]), target[:-1]])
+            locals_part[layout.name] = _conditional(mean, covariance, target, previous, widen_locals)
+            continue
         parents = [
             _element_index(proposal.layouts[p], offsets[p], layout.batch_shape)
             for p in proposal.parents[layout.name]

@@ -383,3 +383,48 @@ def test_other_readouts_move_the_globals_too(float64, readout):
 def test_bad_readout_is_refused():
     with pytest.raises(ValueError, match="readout"):
         adapt(toy_model, None, torch.zeros(3), readout="joint")
+
+
+# -- a vectorized_markov chain: its later steps follow the step before -------------------------------
+
+
+def test_a_vectorized_chain_s_laplace_proposal_follows_the_chain(float64):
+    """
+    A 100-step Gaussian walk in ``vectorized_markov``: the Laplace approximation is its exact
+    posterior, and the proposal read from it draws each step given the step before, with the exact
+    conditional's coefficients. Measured at K = 16, 30 draws, seeds 0-2: the sd of log P_TMC
+    0.05-0.09 following the chain, 0.43-0.62 with each step given the first step alone.
+    """
+    from pyro_tmc.infer.laplace import laplace_approximation, proposal_mean
+    from tests.infer.test_fit_posterior import OBSERVATION_SCALE, STEP_SCALE, vectorized_walk
+
+    steps = 100
+    torch.manual_seed(0)
+    y = (torch.randn(steps) * STEP_SCALE).cumsum(0) + OBSERVATION_SCALE * torch.randn(steps)
+    prior_cholesky = torch.tril(torch.ones(steps, steps)) * torch.tensor([1.0] + [STEP_SCALE] * (steps - 1))
+    prior_cov = prior_cholesky @ prior_cholesky.T
+    post_cov = torch.linalg.inv(torch.linalg.inv(prior_cov) + torch.eye(steps) / OBSERVATION_SCALE**2)
+    exact = dist.MultivariateNormal(torch.zeros(steps), prior_cov + OBSERVATION_SCALE**2 * torch.eye(steps))
+    pyro.set_rng_seed(0)
+    start = AdaptiveProposal(vectorized_walk, y, max_plate_nesting=1, df=None)
+    later = f"z_{slice(1, steps)}"
+    assert start.chain_links[later].first == "z_0"
+    approximation = laplace_approximation(vectorized_walk, start, proposal_mean(start), (y,))
+    assert torch.allclose(approximation.covariance, post_cov, atol=1e-10)
+    following = start.fitted_to_gaussian(approximation)
+    local = following.local_proposals[later]
+    assert local.follows_previous
+    coefficients = post_cov.diagonal(-1) / post_cov.diagonal()[:-1]
+    assert torch.allclose(local.coefficients.reshape(-1), coefficients, atol=1e-8)
+    independent = AdaptiveProposal(vectorized_walk, y, max_plate_nesting=1, df=None)
+    independent.chain_links = {}
+    independent = independent.fitted_to_gaussian(approximation)
+    elbo = TMC_ELBO(num_samples=16, max_plate_nesting=1)
+
+    def log_estimates(proposal):
+        return torch.stack([elbo.draw(vectorized_walk, proposal, y).log_estimate() for _ in range(30)])
+
+    chained, alone = log_estimates(following), log_estimates(independent)
+    assert float(chained.std()) < float(alone.std()) / 3, (float(chained.std()), float(alone.std()))
+    bias_allowance = 4 * float(chained.std()) / math.sqrt(30) + float(chained.var())
+    assert abs(float(chained.mean()) - float(exact.log_prob(y))) < bias_allowance
