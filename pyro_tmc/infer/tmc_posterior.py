@@ -201,6 +201,33 @@ class TMCPosterior:
         """The posterior standard deviation of site ``name``."""
         return self.moments[name].stddev
 
+    def mean_error_quantiles(self, probability: float = 0.95, num_samples: int = 500) -> tuple[float, float]:
+        """
+        The average and the worst error of the pooled means over every dim of every site, in posterior
+        sds, that the read-out's Monte Carlo error stays below with ``probability``. The means' errors
+        are correlated across dims (a chain's steps move together from draw to draw), which the
+        per-dim standard errors do not show: ten dims that move as one have the spread of one dim's
+        error in their average, ten independent ones a third of it. So the errors are drawn jointly,
+        each draw's linearised influence on every mean (as :func:`pool_moments` takes its standard
+        errors) times one Normal per draw, ``num_samples`` times (a fixed seed: the same pool gives the
+        same answer).
+
+        :returns: the ``probability`` quantiles of ``mean |error| / sd`` and of ``max |error| / sd``.
+        """
+        weights = self.draw_weights.double()
+        influences = []
+        for name, moments in self.moments.items():
+            firsts = self._stacked("firsts", name).double().reshape(len(self.draws), -1)
+            sd = moments.stddev.double().reshape(-1).clamp(min=torch.finfo(torch.float64).tiny)
+            influences.append(weights[:, None] * (firsts - moments.mean.double().reshape(-1)) / sd)
+        influence = torch.cat(influences, -1)  # (R, D): the pooled error is sum_r z_r influence_r
+        generator = torch.Generator().manual_seed(0)
+        normals = torch.randn(num_samples, len(self.draws), dtype=torch.float64, generator=generator)
+        errors = (normals @ influence).abs()
+        average = torch.quantile(errors.mean(-1), probability)
+        worst = torch.quantile(errors.max(-1).values, probability)
+        return float(average), float(worst)
+
     def _stacked(self, field: str, name: str) -> torch.Tensor:
         return torch.stack([getattr(draw, field)[name] for draw in self.draws])
 

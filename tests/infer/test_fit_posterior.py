@@ -296,3 +296,34 @@ def test_a_funnel_is_trained_first():
         progress=False,
     )
     assert len(fitted.history["losses"]) == 20 and fitted.history["laplace_spread"] > 1.0
+
+
+def _pool_of_means(offsets: torch.Tensor) -> TMCPosterior:
+    """Equal draws whose site ``x`` has marginal means ``offsets[r]`` (R, D) and marginal sds 1."""
+    from pyro_tmc.infer.tmc_posterior import ReadoutDraw
+
+    draws = [
+        ReadoutDraw(torch.tensor(0.0, dtype=torch.float64), {"x": row}, {"x": row.square() + 1}, {}, {})
+        for row in offsets
+    ]
+    return TMCPosterior(hierarchical_model, draws)
+
+
+def test_the_mean_error_quantiles_see_correlated_dims():
+    """
+    400 equal draws, 30 dims, each dim's standard error 0.01 sd. When the dims move as one, the
+    average error has one dim's spread (95%: 1.96 x 0.01); when they are independent, it
+    concentrates near its mean (0.8 x 0.01, sd 0.6 x 0.01 / sqrt(30)): 95% about 0.0098.
+    """
+    torch.manual_seed(0)
+    shared = 0.2 * torch.randn(400, 1, dtype=torch.float64)
+    shared = shared - shared.mean()
+    correlated = _pool_of_means(shared.expand(400, 30))
+    independent = _pool_of_means(0.2 * torch.randn(400, 30, dtype=torch.float64))
+    (se,) = correlated.moments["x"].mean_error[:1].tolist()
+    assert se == pytest.approx(0.01, rel=0.1)
+    average, worst = correlated.mean_error_quantiles()
+    assert 1.7 * se < average < 2.3 * se and worst == pytest.approx(average)
+    average, worst = independent.mean_error_quantiles()
+    assert 0.85 * se < average < 1.15 * se
+    assert 2.5 * se < worst < 4.0 * se  # the largest of 30 independent errors
