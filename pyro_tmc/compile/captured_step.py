@@ -371,9 +371,7 @@ def capture_step(
 
     def watched(*inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         with HookWatch() as hooks:
-            loss, underflow = run_loss(*inputs)
-        own_backward.append(hooks.hooked or (loss.requires_grad and custom_backward(loss) is not None))
-        return loss, underflow
+            return _noting_own_backward(run_loss, hooks, own_backward)(*inputs)
 
     def forward(*inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         marks.append(GradModeMarks())
@@ -382,9 +380,12 @@ def capture_step(
 
     def trace_forward() -> torch.fx.GraphModule:
         # recorded on real tensors where that is sure to give the trace's graph; else traced
-        recording = record(watched, inputs, num_params, _rng_of(inputs)) if record_graphs else None
-        if recording is not None and recording.graph is not None:
-            return recording.graph
+        if record_graphs:
+            hooks = HookWatch()  # noted by the recording's function mode: not entered
+            noted = _noting_own_backward(run_loss, hooks, own_backward)
+            recording = record(noted, inputs, num_params, _rng_of(inputs), hooks=hooks)
+            if recording.graph is not None:
+                return recording.graph
         recorded.clear()
         own_backward.clear()
         return make_fx(forward, tracing_mode="fake")(*as_leaves(inputs, num_params))
@@ -421,6 +422,20 @@ def capture_step(
     except Exception as error:  # any failure: the eager step is always right
         read_a_value = any(mark.read_a_value for mark in marks)
         raise GraphFallback(_fallback_reason(error, read_a_value)) from error
+
+
+def _noting_own_backward(run_loss: Callable, hooks: HookWatch, own_backward: list[bool]) -> Callable:
+    """
+    ``run_loss``, noting in ``own_backward`` whether the step's backward must be traced as autograd
+    runs it: a tensor hook registered while ``hooks`` watched, or a custom ``autograd.Function``.
+    """
+
+    def noted(*inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        loss, underflow = run_loss(*inputs)
+        own_backward.append(hooks.hooked or (loss.requires_grad and custom_backward(loss) is not None))
+        return loss, underflow
+
+    return noted
 
 
 class Capture(NamedTuple):

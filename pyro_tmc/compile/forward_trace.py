@@ -99,12 +99,13 @@ class HookWatch(TorchFunctionMode):
         self.hooked = False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in _HOOK_REGISTRATIONS:
+        if func in HOOK_REGISTRATIONS:
             self.hooked = True
         return func(*args, **(kwargs or {}))
 
 
-_HOOK_REGISTRATIONS = (torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook)
+#: the tensor methods that register a hook
+HOOK_REGISTRATIONS = (torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook)
 
 
 def runs_without_grad(node: Node) -> bool:
