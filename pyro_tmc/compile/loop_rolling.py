@@ -527,7 +527,9 @@ def _varying_ints(node: Node) -> tuple:
     return tuple(node.args[p] if p < len(node.args) else None for p in _VARYING_INTS.get(node.target, ()))
 
 
-def plan_groups(graph: Graph, batch_draws: bool = False) -> list[list[Group]]:
+def plan_groups(
+    graph: Graph, batch_draws: bool = False, mutations: Optional[tuple[dict[Node, list[Node]], set]] = None
+) -> list[list[Group]]:
     """
     The graph's operations as groups, level by level; each level in the order of the original graph.
 
@@ -535,8 +537,9 @@ def plan_groups(graph: Graph, batch_draws: bool = False) -> list[list[Group]]:
         distribution, but not the same numbers as one by one from the same generator state).
         Without it, a run of like normal draws on the CPU is batched where that draws the
         same numbers (:func:`_draws_exactly_at_once`).
+    :param mutations: :func:`mutation_order` of the graph, where the caller has it already.
     """
-    after, pinned = mutation_order(graph)
+    after, pinned = mutations or mutation_order(graph)
     level = levels(graph, after)
     by_key: dict[tuple, list[Node]] = defaultdict(list)
     singles: list[Node] = []
@@ -652,13 +655,16 @@ class RolledStep:
     :param GraphModule module: the step, its fresh fills made functional
         (:func:`replace_fresh_fills`); the writes left in it are run as pinned.
     :param schedule: :func:`plan_groups` of its graph.
+    :param set pinned: :func:`mutation_order`'s pinned nodes of the graph, where the caller has them.
     """
 
-    def __init__(self, module: GraphModule, schedule: list[list[Group]]) -> None:
+    def __init__(
+        self, module: GraphModule, schedule: list[list[Group]], pinned: Optional[set] = None
+    ) -> None:
         self.module = module
         self.schedule = schedule
         #: the nodes that alias a tensor some operation writes into: a view among them stays a view
-        self.pinned = mutation_order(module.graph)[1]
+        self.pinned = mutation_order(module.graph)[1] if pinned is None else pinned
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
         self.values: dict[Node, Any] = {}
@@ -1085,7 +1091,8 @@ def rolled_runner(module: GraphModule, batch_draws: bool = False) -> RolledStep:
     narrow_unbinds(graph)
     collapse_sum_chains(graph)
     module.recompile()
-    return RolledStep(module, plan_groups(graph, batch_draws))
+    mutations = mutation_order(graph)  # once, for the plan and the runner
+    return RolledStep(module, plan_groups(graph, batch_draws, mutations), mutations[1])
 
 
 def count_groups(runner: RolledStep) -> int:
