@@ -525,9 +525,9 @@ def test_slower_replay_gives_way_to_the_eager_step(monkeypatch):
         loss.loss_and_grads(toy_model, toy_guide, x)
     program = loss.step_program
     program._steps[next(iter(program._steps))].eager_seconds = [0.5]  # every replay "takes" 1 s
-    for _ in range(8):  # replays alternate with timed eager steps
+    for _ in range(8):  # an untimed first replay, then replays alternate with timed eager steps
         loss.loss_and_grads(toy_model, toy_guide, x)
-    assert program.replays == 3  # CompileConfig.timed_replays, then eager
+    assert program.replays == 4  # the first, CompileConfig.timed_replays, then eager
 
 
 def test_much_faster_replay_is_kept_without_timed_eager_steps(monkeypatch):
