@@ -40,10 +40,14 @@ from pyro_tmc.poutine.sites import structure_trace
 
 #: coordinates above which the Hessian (one backward pass each) is not attempted
 MAX_COORDINATES = 3000
-#: Newton steps from the start to the mode (each costs a Hessian)
-NEWTON_STEPS = 8
-#: backtracking halvings of a Newton step that lowers the log density
-HALVINGS = 6
+#: Newton steps from the start to the mode, at most (each costs a Hessian)
+NEWTON_STEPS = 20
+#: the first damping of a Newton step that lowers the log density, and how many tenfold raises of it
+#: are tried before giving up (:func:`_damped_step`)
+FIRST_DAMPING, DAMPINGS = 1e-3, 12
+#: joint Newton steps after the locals' conditional mode (:func:`_needs_locals_first`): a funnel's
+#: joint density climbs towards its neck at every step, and the conditional approximation stands
+FUNNEL_JOINT_STEPS = 8
 
 
 class GaussianApproximation(NamedTuple):
@@ -91,61 +95,142 @@ def laplace_approximation(
     def log_density(u: torch.Tensor) -> torch.Tensor:
         return log_joint(model, proposal, u, args, kwargs)
 
-    point = start.detach().double()
-    for step in range(newton_steps + 1):
-        at_point = _concave_at(log_density, point)
-        if at_point is None:
+    point, conditional, joint_steps = start.detach().double(), None, newton_steps
+    locals_first = _locals_mask(proposal)
+    if locals_first is not None and _needs_locals_first(log_density, point):
+        point, value, cholesky, _ = _mode(log_density, point, newton_steps, free=locals_first)
+        if point is None:
             return None
-        value, gradient, cholesky = at_point
-        if step == newton_steps:
+        if cholesky is not None:
+            conditional = _conditional_approximation(proposal, point, value, cholesky, locals_first)
+        joint_steps = min(newton_steps, FUNNEL_JOINT_STEPS)
+    moved, value, cholesky, converged = _mode(log_density, point, joint_steps)
+    if cholesky is not None and (converged or conditional is None):
+        return GaussianApproximation(moved, torch.cholesky_inverse(cholesky), value)
+    return conditional
+
+
+def _conditional_approximation(proposal, point, value, cholesky, free) -> GaussianApproximation:
+    """
+    The locals' Laplace approximation given the globals at ``point``, beside the globals' own
+    proposal (its scale matrix as their covariance), independent of each other: where the joint
+    density has no mode (a funnel's neck, where it grows without bound), the locals' conditional
+    one still gives them a Gaussian that follows their structure (a chain's steps their AR path).
+    """
+    covariance = torch.zeros(len(point), len(point), dtype=point.dtype)
+    index = free.nonzero().squeeze(-1)
+    covariance[index.unsqueeze(-1), index] = torch.cholesky_inverse(cholesky)
+    scale_tril = proposal.global_proposal.scale_tril.double()
+    globals_index = (~free).nonzero().squeeze(-1)
+    covariance[globals_index.unsqueeze(-1), globals_index] = scale_tril @ scale_tril.T
+    return GaussianApproximation(point, covariance, value)
+
+
+def _mode(log_density, point: torch.Tensor, steps: int, free: Optional[torch.Tensor] = None):
+    """
+    Damped Newton steps (:func:`_damped_step`) in the ``free`` coordinates (a mask; ``None``: all)
+    until a Newton step is below a thousandth of the posterior sd in every free coordinate, at most
+    ``steps`` of them.
+
+    :returns: the point, its log density, and the Cholesky factor of the negative Hessian in the
+        free coordinates (``None`` where the density is not concave there), and whether it
+        converged; ``(None, None, None, False)`` where the model rejects a point or its derivatives
+        are not finite.
+    """
+    damping = 0.0
+    for step in range(steps + 1):
+        derivatives = _derivatives(log_density, point)
+        if derivatives is None or not _finite(derivatives):
+            return None, None, None, False
+        value, gradient, hessian = derivatives
+        converged = False
+        if free is not None:
+            gradient, hessian = gradient[free], hessian[free][:, free]
+        cholesky, info = torch.linalg.cholesky_ex(-hessian)
+        if info == 0:
+            direction = torch.cholesky_solve(gradient.unsqueeze(-1), cholesky).squeeze(-1)
+            converged = bool(
+                (direction.abs() < 1e-3 * torch.cholesky_inverse(cholesky).diagonal().sqrt()).all()
+            )
+            if converged:
+                break
+        if step == steps:
             break
-        direction = torch.cholesky_solve(gradient.unsqueeze(-1), cholesky).squeeze(-1)
-        moved = _backtracked(log_density, point, direction, value)
-        if moved is None:
+        moved, damping = _damped_step(log_density, point, value, gradient, -hessian, damping, free)
+        if moved is None:  # no step raises the density: the approximation where it stands
             break
         point = moved
-        # a step below a thousandth of the posterior sd in every coordinate: at the mode
-        sds = torch.cholesky_inverse(cholesky).diagonal().sqrt()
-        if bool((direction.abs() < 1e-3 * sds).all()):
-            at_point = _concave_at(log_density, point)
-            if at_point is None:
-                return None
-            value, gradient, cholesky = at_point
-            break
-    return GaussianApproximation(point, torch.cholesky_inverse(cholesky), value)
+    return point, value, cholesky if info == 0 else None, converged
 
 
-def _concave_at(log_density, point: torch.Tensor) -> Optional[tuple[float, torch.Tensor, torch.Tensor]]:
+def _locals_mask(proposal) -> Optional[torch.Tensor]:
+    """The locals' coordinates (the globals' come first), or ``None`` without both kinds."""
+    num_globals = proposal.num_globals
+    total = num_globals + sum(layout.size for layout in proposal.locals)
+    if not num_globals or total == num_globals:
+        return None
+    return torch.arange(total) >= num_globals
+
+
+def _needs_locals_first(log_density, point: torch.Tensor) -> bool:
     """
-    The value, the gradient and the Cholesky factor of the negative Hessian at ``point``, or
-    ``None`` where the density is rejected, not finite, or not concave there.
+    Whether Newton's step from ``point`` fails to raise the density. A funnel's joint density grows
+    without bound towards its neck (stochastic volatility's shock scale to 0 with every day on the
+    AR(1) mean path, as a start with every day at one value is), so from such a start the locals
+    move to their conditional mode first, the globals fixed, which is away from the neck.
     """
     derivatives = _derivatives(log_density, point)
-    if derivatives is None:
-        return None
+    if derivatives is None or not _finite(derivatives):
+        return False
     value, gradient, hessian = derivatives
-    if not (math.isfinite(value) and torch.isfinite(hessian).all() and torch.isfinite(gradient).all()):
-        return None
-    cholesky, info = torch.linalg.cholesky_ex(-hessian)
-    return None if info != 0 else (value, gradient, cholesky)
+    moved, damping = _damped_step(log_density, point, value, gradient, -hessian, 0.0, tries=1)
+    return moved is None
 
 
-def _backtracked(log_density, point, direction, value) -> Optional[torch.Tensor]:
-    """``point + t * direction`` for the largest ``t`` in 1, 1/2, ... that raises the density, or ``None``."""
-    fraction = 1.0
-    for _ in range(HALVINGS):
-        candidate = point + fraction * direction
-        try:
-            with torch.no_grad():
-                moved = float(log_density(candidate))
-        except (ValueError, RuntimeError):
-            # a step far enough to leave a distribution's support (a scale of exp(-200) == 0.0 is
-            # rejected by its constraint): as if the density there were -inf
-            moved = -math.inf
-        if math.isfinite(moved) and moved >= value:
-            return candidate
-        fraction /= 2
-    return None
+def _finite(derivatives) -> bool:
+    value, gradient, hessian = derivatives
+    return math.isfinite(value) and bool(torch.isfinite(hessian).all() and torch.isfinite(gradient).all())
+
+
+def _damped_step(
+    log_density,
+    point: torch.Tensor,
+    value: float,
+    gradient: torch.Tensor,
+    negative_hessian: torch.Tensor,
+    damping: float,
+    free: Optional[torch.Tensor] = None,
+    tries: int = 0,
+):
+    """
+    One Levenberg-Marquardt step up the log density: the Newton step on the negative Hessian plus
+    ``damping`` times its diagonal, the damping raised tenfold (from :data:`FIRST_DAMPING`) until
+    the step raises the density, at most :data:`DAMPINGS` times, and lowered tenfold once it does.
+    Undamped where the density is concave, it is Newton's step; damped, it is shorter and turns
+    towards the gradient, so that a direction the Hessian calls flat (a scale the data pull hard
+    on: stochastic volatility's shock scale, 5,000 sds away in one Newton step) is not crossed to
+    a funnel's neck, and a point where the density is not concave still moves. A step that leaves
+    a distribution's support counts as a fall. Only the ``free`` coordinates (a mask) move, the
+    gradient and Hessian given in them; ``tries`` (0: :data:`DAMPINGS`) bounds the dampings tried.
+
+    :returns: the new point and damping, or ``(None, damping)`` where no step raises the density.
+    """
+    diagonal = negative_hessian.diagonal().abs()
+    diagonal = torch.diag(diagonal.clamp(min=1e-12 * float(diagonal.max().clamp(min=1e-300))))
+    for _ in range(tries or DAMPINGS):
+        cholesky, info = torch.linalg.cholesky_ex(negative_hessian + damping * diagonal)
+        if info == 0:
+            step = torch.cholesky_solve(gradient.unsqueeze(-1), cholesky).squeeze(-1)
+            candidate = point + step if free is None else point.masked_scatter(free, point[free] + step)
+            try:
+                with torch.no_grad():
+                    moved = float(log_density(candidate))
+            except (ValueError, RuntimeError):  # out of a distribution's support (a scale of 0.0)
+                moved = -math.inf
+            if math.isfinite(moved) and moved >= value:
+                return candidate, damping / 10 if damping > FIRST_DAMPING else 0.0
+        damping = max(10 * damping, FIRST_DAMPING)
+    return None, damping
 
 
 def _derivatives(log_density, point: torch.Tensor) -> Optional[tuple[float, torch.Tensor, torch.Tensor]]:

@@ -11,7 +11,7 @@ import pyro.distributions as dist
 from pyro_tmc.infer.adaptive_proposal import AdaptiveProposal
 from pyro_tmc.infer.fit import fit_posterior, globals_widening
 from pyro_tmc.infer.laplace import (
-    _backtracked,
+    _damped_step,
     _derivatives,
     gaussian_proposals,
     laplace_approximation,
@@ -143,11 +143,20 @@ def _rejected_past_five(u: torch.Tensor) -> torch.Tensor:
     return -((u - 4) ** 2).sum()
 
 
-def test_a_newton_step_out_of_the_support_is_halved():
-    """Regression: tutorial 09's eight schools, whose Newton step left exp(log_stddev)'s support, raised."""
-    point, direction = torch.zeros(1, dtype=torch.float64), torch.full((1,), 10.0, dtype=torch.float64)
-    moved = _backtracked(_rejected_past_five, point, direction, float(_rejected_past_five(point)))
-    assert moved is not None and moved.item() == pytest.approx(5.0)
+def test_a_newton_step_out_of_the_support_is_damped():
+    """
+    Regression: tutorial 09's eight schools, whose Newton step left exp(log_stddev)'s support, raised;
+    stochastic volatility's shock scale, which a Hessian that calls it flat sent 5,000 sds away.
+    """
+    point, gradient = torch.zeros(1, dtype=torch.float64), torch.full((1,), 8.0, dtype=torch.float64)
+    too_flat = torch.full((1, 1), 0.1, dtype=torch.float64)  # Newton's step: 80, refused past 5
+    value = float(_rejected_past_five(point))
+    moved, damping = _damped_step(_rejected_past_five, point, value, gradient, too_flat, 0.0)
+    assert moved is not None and 0 < moved.item() <= 5 and float(_rejected_past_five(moved)) > value
+    assert damping > 1  # raised until the step stayed inside: lowered tenfold for the next
+    exact = torch.full((1, 1), 2.0, dtype=torch.float64)  # the true Hessian: Newton's step to the mode
+    moved, damping = _damped_step(_rejected_past_five, point, value, gradient, exact, 0.0)
+    assert moved.item() == pytest.approx(4.0) and damping == 0.0
     assert _derivatives(_rejected_past_five, torch.full((1,), 6.0, dtype=torch.float64)) is None
 
 
