@@ -45,7 +45,8 @@ A captured step whose forward has more than ``roll_above`` operations (a long
 ``pyro.markov`` loop, about ten per step) is rolled (:mod:`pyro_tmc.compile.loop_rolling`): its
 repeated blocks become one batched operation each, and the backward is traced through
 the rolled forward, so a 1,000-step chain is traced once, not twice, step by step, and
-replays as about 2,300 operations, not 33,000.
+replays as about 2,300 operations, not 33,000. A loop whose body changes with t, so that rolling
+would batch too little, is replayed unrolled, and says so once (:func:`loop_not_rolled_warning`).
 
 Parameters are found by name in the param store. ``nn.Module`` parameters
 registered by ``pyro.module`` are there too, but a plain module reads its own
@@ -59,6 +60,7 @@ mode) runs eagerly, with one warning.
 import contextlib
 import dataclasses
 import gc
+import re
 import time
 import warnings
 from collections.abc import Iterator
@@ -129,6 +131,10 @@ ROLL_GAIN = 0.1
 #: forward's, or, for a step with a custom backward, the whole step's)
 ROLLED_FROM = "pyro_tmc_rolled_from"
 
+#: an unrolled graph's ``meta`` key, where the step was long enough to roll but rolling batched too
+#: little: ``(operations, groups, roll_at_most)`` of the plan (``groups`` ``None`` where not counted)
+NOT_ROLLED = "pyro_tmc_not_rolled"
+
 
 # -- what a step is, for a key ------------------------------------------------------------
 
@@ -159,6 +165,8 @@ class StructureRecorder(Messenger):
         super().__init__()
         self.record: list[tuple] = []
         self.param_names: list[str] = []
+        #: ``(name, form)`` of each sample statement inside a ``pyro.markov`` loop (:func:`markov_loops`)
+        self.markov_sites: list[tuple[str, tuple]] = []
 
     def _postprocess_message(self, msg) -> None:
         if msg["type"] == "param":
@@ -168,6 +176,8 @@ class StructureRecorder(Messenger):
         if msg["type"] != "sample":
             return
         value = msg["value"]
+        if msg["infer"].get("_markov_depth"):  # a statement of a pyro.markov loop's body
+            self.markov_sites.append((msg["name"], _statement_form(msg)))
         self.record.append(
             (
                 msg["name"],
@@ -178,6 +188,105 @@ class StructureRecorder(Messenger):
                 tuple(sorted((k, repr(v)) for k, v in msg["infer"].items() if not k.startswith("_"))),
             )
         )
+
+
+def _statement_form(msg) -> tuple:
+    """
+    What a loop step's sample statement is, whatever its particle dims: the distribution's type and
+    event shape, its plates' sizes, whether it is observed, and its public ``infer`` flags (its value's
+    shape is no help: TMC gives each step's value particle dims, which ``pyro.markov`` recycles).
+    """
+    return (
+        type(msg["fn"]).__name__,
+        tuple(getattr(msg["fn"], "event_shape", ())),
+        tuple((f.name, f.size) for f in msg["cond_indep_stack"]),
+        msg["is_observed"],
+        tuple(sorted((k, repr(v)) for k, v in msg["infer"].items() if not k.startswith("_"))),
+    )
+
+
+class MarkovLoop(NamedTuple):
+    """The statements of a ``pyro.markov`` loop named alike, as ``x_0, x_1, ...`` (:func:`markov_loops`)."""
+
+    #: the sites' name with ``{t}`` for the step, as ``"x_{t}"``
+    pattern: str
+    #: each step's number, and its statements' ``(name, form)`` in the order they ran
+    steps: dict[int, list[tuple[str, tuple]]]
+
+
+def markov_loops(sites: list[tuple[str, tuple]]) -> list[MarkovLoop]:
+    """
+    The loops among a step's ``pyro.markov`` statements (:attr:`StructureRecorder.markov_sites`): sites
+    whose names differ only in their last number are one loop's steps (the guide's and the model's
+    statement of a site are one step's). Longest first; a name without a number, or alone, is none.
+    """
+    found: dict[tuple[str, str], dict[int, list]] = {}
+    for name, form in sites:
+        match = re.fullmatch(r"(.*?)(\d+)(\D*)", name)
+        if match is not None:
+            steps = found.setdefault((match[1], match[3]), {})
+            steps.setdefault(int(match[2]), []).append((name, form))
+    loops = [MarkovLoop(f"{prefix}{{t}}{suffix}", steps) for (prefix, suffix), steps in found.items()]
+    return sorted((loop for loop in loops if len(loop.steps) > 1), key=lambda loop: -len(loop.steps))
+
+
+def _describe_form(form: tuple) -> str:
+    kind, event_shape, plates, observed, flags = form
+    words = [f"a {kind} of event shape {event_shape}"]
+    if plates:
+        words.append("in plates " + ", ".join(f"{name} of {size}" for name, size in plates))
+    if flags:
+        words.append("infer " + ", ".join(f"{k}={v}" for k, v in flags))
+    return ("observed " if observed else "") + ", ".join(words)
+
+
+def _changing_statement(loops: list[MarkovLoop]) -> Optional[str]:
+    """
+    A statement of the loops that changes with t, against the same statement at the step before
+    (the first step, which often starts the chain otherwise, is not compared); ``None`` where none does.
+    """
+    for loop in loops:
+        numbers = sorted(loop.steps)
+        for before, t in zip(numbers[1:], numbers[2:]):
+            for (name, form), (name_before, form_before) in zip(loop.steps[t], loop.steps[before]):
+                if form != form_before:
+                    return (
+                        f"site '{name}' is {_describe_form(form)}, where '{name_before}' is "
+                        f"{_describe_form(form_before)}"
+                    )
+    return None
+
+
+def loop_not_rolled_warning(sites: list[tuple[str, tuple]], not_rolled: tuple) -> Optional[tuple[str, str]]:
+    """
+    What to say of a captured step that stays unrolled although it is long enough to roll, where it
+    has a ``pyro.markov`` loop: ``(what could not be done, why)`` for
+    :func:`~pyro_tmc.compile.fallback.warn_fallback`; ``None`` for a step without a loop.
+
+    :param sites: the step's ``pyro.markov`` statements (:attr:`StructureRecorder.markov_sites`).
+    :param tuple not_rolled: the graph's :data:`NOT_ROLLED` entry.
+    """
+    loops = markov_loops(sites)
+    if not loops:
+        return None
+    named = ", ".join(loop.pattern for loop in loops[:3]) + (", ..." if len(loops) > 3 else "")
+    numbers = sorted(loops[0].steps)
+    what = f"roll the captured step's pyro.markov loop over {named} (t = {numbers[0]}..{numbers[-1]})"
+    operations, groups, share = not_rolled
+    changing = _changing_statement(loops)
+    why = (
+        f"its body changes with t: {changing}. "
+        if changing is not None
+        else "its steps' operations differ with t (a shape, a number or a branch that depends on t). "
+    )
+    if groups is None:
+        why += f"Rolling would batch too few of its {operations} operations to pay"
+    else:
+        why += (
+            f"Rolling would run its {operations} forward operations as {groups} batched ones, more than "
+            f"roll_at_most={share} of them. A loop whose body is the same at every t rolls"
+        )
+    return what, why
 
 
 # -- the parameters a step reads ------------------------------------------------------------
@@ -415,7 +524,7 @@ def capture_step(
                 whole = derive_backward(run_loss, inputs, num_params)
             with timed(times, ROLL_STEP):
                 longer = None if roll_above is None else 3 * roll_above
-                program = _rolled(whole, inputs, longer, batch_draws, record_graphs)
+                program = _rolled(whole, inputs, longer, batch_draws, record_graphs, note_not_rolled=True)
             return Capture(program, whole, recorded[0], buffers)
     except GraphFallback:
         raise
@@ -507,12 +616,15 @@ def _backward_of(
     ``roll_at_most`` as many groups, then its backward traced through it.
     """
     eliminate_dead_code(forward.graph)
+    not_rolled = None
     if roll_above is not None and count_operations(forward) > roll_above:
         try:
             with timed(times, PLAN_ROLLING):
                 runner = rolled_runner(forward, batch_draws)
             operations = count_operations(forward)
-            if count_groups(runner) <= roll_at_most * operations:
+            groups = count_groups(runner)
+            not_rolled = (operations, groups, roll_at_most)
+            if groups <= roll_at_most * operations:
                 # autograd's backward of the rolled forward still has a few per-step leftovers (the
                 # zero gradients of an unbind's unused outputs): rolled in turn
                 with timed(times, TRACE_BACKWARD):
@@ -525,8 +637,14 @@ def _backward_of(
                 return graph
         except Exception as error:  # the unrolled graph is always right
             _warn_not_rolled(error)
+            not_rolled = None  # said already
     with timed(times, TRACE_BACKWARD):
-        return _derived(InGradModes(forward).run, inputs, num_params, graph_constants(forward), record_graphs)
+        graph = _derived(
+            InGradModes(forward).run, inputs, num_params, graph_constants(forward), record_graphs
+        )
+    if not_rolled is not None:
+        graph.meta[NOT_ROLLED] = not_rolled
+    return graph
 
 
 def _derived(
@@ -570,6 +688,7 @@ def _rolled(
     roll_above: Optional[int],
     batch_draws: bool,
     record_graphs: bool = True,
+    note_not_rolled: bool = False,
 ) -> torch.fx.GraphModule:
     """
     A whole step's graph, backward included, rolled (:func:`pyro_tmc.compile.loop_rolling.roll`)
@@ -578,6 +697,9 @@ def _rolled(
     (:func:`~pyro_tmc.compile.loop_rolling.merge_repeated_zeros`): a step whose forward was
     rolled is then about as small as rolled again, and is recorded again only where the plan
     batches at least :data:`ROLL_GAIN` of its operations.
+
+    :param bool note_not_rolled: mark the graph (:data:`NOT_ROLLED`) where it is long enough to roll
+        but rolling would not make it smaller (a step whose forward was not rolled first).
     """
     eliminate_dead_code(graph.graph)
     merge_repeated_zeros(graph.graph)
@@ -592,6 +714,8 @@ def _rolled(
         _warn_not_rolled(error)
         return graph
     if rolled is None or count_operations(rolled) >= count_operations(graph):
+        if note_not_rolled:
+            graph.meta[NOT_ROLLED] = (count_operations(graph), None, 1 - ROLL_GAIN)
         return graph
     rolled.meta[ROLLED_FROM] = count_operations(graph)
     return rolled
@@ -682,6 +806,7 @@ class StepProgram:
         #: (:func:`~pyro_tmc.ops.capture.merge_repair_counts`):
         #: a capture's repairs are sized by all of them, not by its own eager run alone
         self._repairs: dict[tuple, list[RepairCount]] = {}
+        self._said_not_rolled: set = set()  # keys whose loop was said to stay unrolled (once each)
         self.captures = 0  # how many steps were captured (tests read it)
         self.replays = 0
         self._warned = False
@@ -689,6 +814,7 @@ class StepProgram:
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)  # graphs do not pickle: a copy captures its own
         state["_steps"], state["_seen"], state["_refitted"], state["_repairs"] = {}, {}, set(), {}
+        state["_said_not_rolled"] = set()
         return state
 
     def loss_and_grads(
@@ -831,6 +957,7 @@ class StepProgram:
             _warn_fallback("the model's structure differs from one run to the next with the same arguments")
             return loss
         self.captures += 1
+        self._say_if_not_rolled(key, program, recorder.markov_sites)
         eliminate_dead_code(program.graph)
         program.recompile()
         specs = [_spec(p) for p in params]
@@ -848,6 +975,20 @@ class StepProgram:
             captured.eager_seconds = None  # compiled: not timed against eager
         self._steps[key] = captured
         return loss
+
+    def _say_if_not_rolled(self, key: tuple, program: torch.fx.GraphModule, markov_sites: list) -> None:
+        """
+        Warn, once per key, where a long step with a ``pyro.markov`` loop stays unrolled because its
+        body changes with t (:func:`loop_not_rolled_warning`). A long step without a loop (a deep
+        network) stays unrolled without a word, as rolling is only a loop's speed-up.
+        """
+        if NOT_ROLLED not in program.meta or key in self._said_not_rolled:
+            return
+        notice = loop_not_rolled_warning(markov_sites, program.meta[NOT_ROLLED])
+        if notice is not None:
+            self._said_not_rolled.add(key)
+            what, why = notice
+            warn_fallback(what, why, UNROLLED, stacklevel=5, limit=600)
 
     def _too_large(self, graph: torch.fx.GraphModule) -> bool:
         """Whether a graph has too many operations for inductor to compile in reasonable time (warns once)."""

@@ -22,6 +22,7 @@ from pyro.infer import SVI
 
 from pyro_tmc import IWAE_ELBO, TMC_ELBO, TMC_RWS, _torch
 from pyro_tmc.compile.captured_step import ROLLED_FROM
+from tests.common import pyro_style_models as M
 from tests.common.compile_cases import (
     assert_same_step,
     cases,
@@ -595,6 +596,88 @@ def test_a_stiff_chain_is_repaired_inside_the_graph():
     assert_same_step(
         *replay_and_eager(make_loss, stiff_chain_model, chain_guide, (torch.tensor(0.7), 40)), rtol=1e-4
     )
+
+
+def growing_chain_guide(x, N):
+    """``chain_guide`` whose step ``i`` draws ``i + 1`` particles: each step's shapes differ from the last."""
+    loc = pyro.param("chain_loc", lambda: 0.1 * torch.arange(N, dtype=x.dtype))
+    for i in pyro.markov(range(1, N + 1)):
+        pyro.sample(f"z_{i}", dist.Normal(loc[i - 1], 0.5), infer={"num_samples": i + 1})
+
+
+def alternating_chain_model(x, N):
+    """``chain_model`` whose odd and even steps are of two distributions: a body of two forms, which rolls."""
+    z = x.new_zeros(())
+    for i in pyro.markov(range(1, N + 1)):
+        z = pyro.sample(f"z_{i}", (dist.Normal if i % 2 else dist.Laplace)(z, math.sqrt(1.0 / N)))
+    pyro.sample("x", dist.Normal(z, 1.0), obs=x)
+
+
+def _fallbacks(caught) -> list[str]:
+    """The fallback warnings among ``caught`` (:func:`pyro_tmc.compile.fallback.warn_fallback`)."""
+    return [str(w.message) for w in caught if str(w.message).startswith("pyro_tmc could not")]
+
+
+def test_a_loop_whose_body_changes_with_t_replays_unrolled_and_says_so_once():
+    """
+    A chain whose step ``i`` draws ``i + 1`` particles has other shapes at every step, so rolling
+    batches little of it: it is captured and replayed unrolled, equal to the eager step, and the
+    loss says so once, naming the loop and the site that changes, over all its steps.
+    """
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    model, guide, args = chain_model, growing_chain_guide, (torch.tensor(0.3), 30)
+    loss = chain_loss(4, compile="graph")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(4):  # eager, captured, two replays
+            loss.loss_and_grads(model, guide, *args)
+        params = params_by_name()
+        state = torch.get_rng_state()
+        replayed = one_step(lambda: loss.loss_and_grads(model, guide, *args), params)
+        torch.set_rng_state(state)
+        eager = one_step(lambda: loss._eager_loss_and_grads(model, guide, args, {}), params)
+        for _ in range(3):
+            loss.loss_and_grads(model, guide, *args)
+    assert_same_step(replayed, eager)
+    program = loss.step_program
+    assert program.captures == 1 and program.replays == 6
+    captured = next(iter(program._steps.values()))
+    assert ROLLED_FROM not in captured.program.meta  # unrolled
+    (message,) = _fallbacks(caught)  # one, over eight steps
+    assert message.startswith(
+        "pyro_tmc could not roll the captured step's pyro.markov loop over z_{t} (t = 1..30)"
+    )
+    assert "replayed unrolled instead" in message
+    assert "site 'z_3'" in message and "num_samples=4" in message and "num_samples=3" in message
+
+
+@pytest.mark.parametrize(
+    "model, guide, args, nesting",
+    [
+        (chain_model, chain_guide, (torch.tensor(0.3), 60), 0),
+        (alternating_chain_model, chain_guide, (torch.tensor(0.3), 60), 0),
+        (
+            M.categorical_hmm,
+            M.globals_guide(M.categorical_hmm, {"init", "trans", "emit"}),
+            (torch.randint(4, (3, 60), generator=torch.Generator().manual_seed(0)),),
+            1,
+        ),
+    ],
+    ids=["chain", "alternating_chain", "hmm"],
+)
+def test_a_loop_that_rolls_says_nothing(model, guide, args, nesting):
+    """An ordinary chain or HMM, or a body of two forms taken in turn, rolls: no warning."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    loss = TMC_ELBO(num_samples=4, max_plate_nesting=nesting, compile="graph")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            loss.loss_and_grads(model, guide, *args)
+    captured = next(iter(loss.step_program._steps.values()))
+    assert ROLLED_FROM in captured.program.meta  # long enough to roll, and rolled
+    assert not _fallbacks(caught)
 
 
 def _targets(graph: torch.fx.GraphModule) -> set:
