@@ -95,6 +95,8 @@ def laplace_approximation(
     def log_density(u: torch.Tensor) -> torch.Tensor:
         return log_joint(model, proposal, u, args, kwargs)
 
+    log_density.band = _chain_band(proposal)  # the Hessian's sparsity, where the model is a chain
+
     point, conditional, joint_steps = start.detach().double(), None, newton_steps
     locals_first = _locals_mask(proposal)
     if locals_first is not None and _needs_locals_first(log_density, point):
@@ -245,12 +247,91 @@ def _derivatives(log_density, point: torch.Tensor) -> Optional[tuple[float, torc
         except (ValueError, RuntimeError):
             return None
         (gradient,) = torch.autograd.grad(value, u, create_graph=True)
+        band = getattr(log_density, "band", None)
+        banded = None if band is None else _banded_hessian(gradient, u, band)
+        if banded is not None:
+            return float(value.detach()), gradient.detach(), banded
         rows = []
         for i in range(len(u)):
             (row,) = torch.autograd.grad(gradient[i], u, retain_graph=True, allow_unused=True)
             rows.append(torch.zeros_like(u) if row is None else row)
     hessian = torch.stack(rows).detach()
     return float(value.detach()), gradient.detach(), (hessian + hessian.T) / 2
+
+
+class ChainBand(NamedTuple):
+    """
+    Where a chain's Hessian can be non-zero: every global's row and column, and between two chain
+    coordinates at most one step apart. ``colours``: per coordinate, -1 for a global, else a colour
+    shared by no two chain coordinates that one row can meet (site, step mod 3); ``steps``: per
+    coordinate, its step (-1 for a global).
+    """
+
+    colours: torch.Tensor
+    steps: torch.Tensor
+
+
+def _chain_band(proposal) -> Optional[ChainBand]:
+    """The :class:`ChainBand` of a proposal whose every local is a chain's later steps, else ``None``."""
+    if not proposal.locals or any(layout.name not in proposal.chain_links for layout in proposal.locals):
+        return None
+    colours = [torch.full((proposal.num_globals,), -1, dtype=torch.long)]
+    steps = [torch.full((proposal.num_globals,), -1, dtype=torch.long)]
+    for index, layout in enumerate(proposal.locals):
+        step = torch.arange(1, layout.size + 1)  # the later steps: 1 .. T-1, one coordinate each
+        steps.append(step)
+        colours.append(3 * index + step % 3)
+    return ChainBand(torch.cat(colours), torch.cat(steps))
+
+
+def _banded_hessian(gradient: torch.Tensor, u: torch.Tensor, band: ChainBand) -> Optional[torch.Tensor]:
+    """
+    The Hessian from a column per global and one Hessian-vector product per colour (7 backward passes
+    for a chain with 4 globals, not one per coordinate: 2,519 for stochastic volatility's), each
+    chain row's entries read at the steps next to it, which carry distinct colours. Checked against
+    one more product with a random vector; ``None`` (do it row by row) where they disagree: a model
+    whose chain coordinates meet more than their neighbours.
+    """
+
+    def product(vector):
+        (result,) = torch.autograd.grad(
+            gradient, u, grad_outputs=vector, retain_graph=True, allow_unused=True
+        )
+        return torch.zeros_like(u) if result is None else result
+
+    n = len(u)
+    globals_index = (band.colours < 0).nonzero().squeeze(-1)
+    hessian = torch.zeros(n, n, dtype=u.dtype)
+    for g in globals_index.tolist():
+        column = product(torch.nn.functional.one_hot(torch.tensor(g), n).to(u.dtype))
+        hessian[:, g] = column.detach()
+        hessian[g, :] = column.detach()
+    chain = (band.colours >= 0).nonzero().squeeze(-1)
+    for colour in band.colours[chain].unique().tolist():
+        hv = product((band.colours == colour).to(u.dtype)).detach()
+        members = (band.colours == colour).nonzero().squeeze(-1)
+        rows = chain[(band.steps[chain].unsqueeze(-1) - band.steps[members]).abs().min(-1).values <= 1]
+        for offset in (-1, 0, 1):  # the one member of this colour next to each row, on each site
+            target = band.steps[rows] + offset
+            for member_steps, member in _by_site(band, members):
+                position = torch.searchsorted(member_steps, target).clamp(max=len(member) - 1)
+                hit = member_steps[position] == target
+                hessian[rows[hit], member[position[hit]]] = hv[rows[hit]]
+    generator = torch.Generator().manual_seed(0)
+    probe = torch.randn(n, dtype=u.dtype, generator=generator)
+    exact = product(probe).detach()
+    # the model's float32 arithmetic differs between passes in the 7th digit; a missed entry, in the 1st
+    if not torch.allclose(hessian @ probe, exact, rtol=1e-4, atol=1e-6 * float(exact.abs().max())):
+        return None
+    return (hessian + hessian.T) / 2
+
+
+def _by_site(band: ChainBand, members: torch.Tensor):
+    """The colour's members grouped by chain site (colour // 3), each with its sorted steps."""
+    for site in (band.colours[members] // 3).unique().tolist():
+        mine = members[band.colours[members] // 3 == site]
+        order = band.steps[mine].argsort()
+        yield band.steps[mine][order], mine[order]
 
 
 def log_joint(model: Callable, proposal, u: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
