@@ -41,7 +41,6 @@ References: Cappe, Guillin, Marin and Robert (2004) "Population Monte Carlo" (mo
 onto weighted draws); Aitchison (2019) "Tensor Monte Carlo", appendix on non-factorised proposals.
 """
 
-import dataclasses
 import functools
 import math
 from collections import Counter
@@ -464,8 +463,9 @@ class AdaptiveProposal:
         if name not in self.chain_links:
             num_globals = self.num_globals if self.scales_follow_globals else 0
             return _fitted_local(draws.values, draws.regressors, draws.weights, widen, num_globals)
-        fit = _fitted_local(draws.values, draws.regressors, draws.weights, widen)
-        return dataclasses.replace(fit, follows_previous=fit.coefficients is not None)
+        if draws.regressors is None:
+            return _fitted_local(draws.values, None, draws.weights, widen)
+        return _fitted_chain(draws.values, draws.regressors, draws.weights, widen)
 
     def _global_columns(self, columns: dict[str, torch.Tensor]) -> Optional[torch.Tensor]:
         """The globals' unconstrained draws concatenated: ``(N, G)``."""
@@ -728,6 +728,33 @@ def _fitted_local(
         scale_regression = LogScaleRegression(*(t.to(_dtype()) for t in scale_regression))
     return LocalProposal(
         intercept.to(_dtype()), coefficients.to(_dtype()), scale.to(_dtype()), scale_regression
+    )
+
+
+def _fitted_chain(values: torch.Tensor, regressors: torch.Tensor, weights: torch.Tensor, widen: float):
+    """
+    A chain's later steps regressed on the step before, per step (``values`` and ``regressors``
+    ``(N, S, 1)``, ``weights`` ``(N,)`` or ``(N, S)``): a step whose weights hold too few effective
+    draws for the regression (:data:`MIN_ESS_PER_COEFFICIENT` per coefficient) gets its weighted
+    moments and no coefficient, which :class:`ChainProposal` draws as a step on its own. One such
+    step does not cost the others theirs: a 2,516-day chain always has a few.
+    """
+    w = weights.to(values.dtype)
+    w = w.reshape(w.shape + (1,) * (values.dim() - w.dim()))  # (N, S, 1)
+    effective = 1 / w.square().sum(0)  # (S, 1)
+    mean = (w * values).sum(0)
+    variance = (w * (values - mean).square()).sum(0) / (1 - 1 / effective).clamp(min=1e-3)
+    intercept, coefficients, residuals = _weighted_least_squares(values, regressors.to(values.dtype), w)
+    correction = (1 - 2 / effective).clamp(min=1e-3)
+    residual_variance = (w * residuals.square()).sum(0) / correction
+    regress = (
+        (effective >= 2 * MIN_ESS_PER_COEFFICIENT) & intercept.isfinite() & coefficients.isfinite().all(-1)
+    )
+    intercept = torch.where(regress, intercept, mean)
+    coefficients = torch.where(regress.unsqueeze(-1), coefficients, torch.zeros_like(coefficients))
+    scale = (widen * torch.where(regress, residual_variance, variance).sqrt()).clamp(min=1e-6)
+    return LocalProposal(
+        intercept.to(_dtype()), coefficients.to(_dtype()), scale.to(_dtype()), follows_previous=True
     )
 
 
