@@ -243,7 +243,7 @@ def test_a_chain_s_hessian_is_read_from_its_band(float64):
         return -links - (weights * z).cos().sum() - g.square().sum() * z.square().mean()
 
     def coupled_density(u):
-        return chain_density(u) - (u[2 + 3 :] * u[2 : -3]).sum()
+        return chain_density(u) - (u[2 + 3 :] * u[2:-3]).sum()
 
     point = 0.5 * torch.randn(2 + steps)
     for density, banded in ((chain_density, True), (coupled_density, False)):
