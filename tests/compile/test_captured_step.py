@@ -680,6 +680,26 @@ def test_a_loop_that_rolls_says_nothing(model, guide, args, nesting):
     assert not _fallbacks(caught)
 
 
+def test_a_short_loop_left_unrolled_says_nothing():
+    """
+    An HMM of 3 steps, asked to roll at any length (``roll_above=0``), batches too little to roll:
+    its first and last steps are most of it, not a body that changes with t. It stays unrolled,
+    without a word.
+    """
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    guide = M.globals_guide(M.categorical_hmm, {"init", "trans", "emit"})
+    loss = TMC_ELBO(num_samples=4, max_plate_nesting=1, compile="graph")
+    loss.step_program.roll_above = 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            loss.loss_and_grads(M.categorical_hmm, guide, torch.randint(4, (3, 3)))
+    captured = next(iter(loss.step_program._steps.values()))
+    assert ROLLED_FROM not in captured.program.meta and loss.step_program.replays == 1
+    assert not _fallbacks(caught)
+
+
 def _targets(graph: torch.fx.GraphModule) -> set:
     return {node.target for node in graph.graph.nodes if node.op == "call_function"}
 
