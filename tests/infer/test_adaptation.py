@@ -395,8 +395,10 @@ def test_a_vectorized_chain_s_laplace_proposal_follows_the_chain(float64):
     conditional's coefficients. Measured at K = 16, 30 draws, seeds 0-2: the sd of log P_TMC
     0.05-0.09 following the chain, 0.43-0.62 with each step given the first step alone.
     """
+    pytest.importorskip("funsor")
     from pyro_tmc.infer.laplace import laplace_approximation, proposal_mean
-    from tests.infer.test_fit_posterior import OBSERVATION_SCALE, STEP_SCALE, vectorized_walk
+    from tests.common.vectorized_chains import OBSERVATION_SCALE, vectorized_walk
+    from tests.common.vectorized_chains import WALK_STEP_SCALE as STEP_SCALE
 
     steps = 100
     torch.manual_seed(0)

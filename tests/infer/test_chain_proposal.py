@@ -15,7 +15,9 @@ import pyro.distributions as dist
 
 from pyro_tmc import TMC_ELBO
 from pyro_tmc.infer.chain_proposal import ChainProposal, balanced_ancestors, chain_scan, mixture_log_density
-from tests.estimate.test_vectorized_markov import (
+
+pytest.importorskip("funsor")
+from tests.common.vectorized_chains import (  # noqa: E402
     CURRENT,
     GUIDE_LOC,
     GUIDE_SCALE,
@@ -27,8 +29,6 @@ from tests.estimate.test_vectorized_markov import (
     model,
     particles_of,
 )
-
-pytest.importorskip("funsor")
 
 COEFFICIENT = torch.tensor([0.8, 0.6, 0.9], dtype=torch.float64)
 

@@ -182,37 +182,12 @@ def test_read_out_continues_until_the_standard_errors_are_small():
         assert float(relative.mean()) > 0.02
 
 
-STEP_SCALE, OBSERVATION_SCALE = 0.5, 1.0
-WALK = torch.tensor([0.3, 0.8, 0.1, -0.5, -0.2, 0.6, 1.1, 0.9])
-
-
-def vectorized_walk(y):
-    """A Gaussian random walk observed with noise, its steps in ``vectorized_markov``."""
-    pytest.importorskip("funsor")
-    from pyro.contrib.funsor import vectorized_markov
-
-    previous = None
-    for t in vectorized_markov(name="steps", size=len(y), dim=-1):
-        loc = 0.0 if previous is None else previous
-        previous = pyro.sample(f"z_{t}", dist.Normal(loc, 1.0 if previous is None else STEP_SCALE))
-        pyro.sample(f"y_{t}", dist.Normal(previous, OBSERVATION_SCALE), obs=y[t])
-
-
-def exact_walk_posterior(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The walk's posterior mean and sds, every step: z = L e with L lower-triangular."""
-    n = len(y)
-    scales = torch.tensor([1.0] + [STEP_SCALE] * (n - 1), dtype=torch.float64)
-    cholesky = torch.tril(torch.ones(n, n, dtype=torch.float64)) * scales
-    precision = (
-        torch.linalg.inv(cholesky @ cholesky.T) + torch.eye(n, dtype=torch.float64) / OBSERVATION_SCALE**2
-    )
-    cov = torch.linalg.inv(precision)
-    return cov @ y.double() / OBSERVATION_SCALE**2, cov.diagonal().sqrt()
-
-
 @pytest.mark.slow
 def test_a_vectorized_markov_chain_is_fitted_from_its_marginals():
     """Regression: fit_posterior raised KeyError on the previous-steps site, then NotImplementedError."""
+    pytest.importorskip("funsor")
+    from tests.common.vectorized_chains import WALK, exact_walk_posterior, vectorized_walk
+
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
     with warnings.catch_warnings():
