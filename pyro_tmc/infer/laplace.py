@@ -59,11 +59,14 @@ class GaussianApproximation(NamedTuple):
     :ivar torch.Tensor mean: shape ``(N,)``, float64.
     :ivar torch.Tensor covariance: shape ``(N, N)``, float64.
     :ivar float log_density: the log joint density (Jacobians included) at ``mean``.
+    :ivar bool at_mode: ``mean`` is the joint density's mode; ``False``: the locals' conditional mode
+        given the globals, where the joint has none (a funnel: see :func:`laplace_approximation`).
     """
 
     mean: torch.Tensor
     covariance: torch.Tensor
     log_density: float
+    at_mode: bool = True
 
 
 def laplace_approximation(
@@ -125,7 +128,7 @@ def _conditional_approximation(proposal, point, value, cholesky, free) -> Gaussi
     scale_tril = proposal.global_proposal.scale_tril.double()
     globals_index = (~free).nonzero().squeeze(-1)
     covariance[globals_index.unsqueeze(-1), globals_index] = scale_tril @ scale_tril.T
-    return GaussianApproximation(point, covariance, value)
+    return GaussianApproximation(point, covariance, value, at_mode=False)
 
 
 def _mode(log_density, point: torch.Tensor, steps: int, free: Optional[torch.Tensor] = None):

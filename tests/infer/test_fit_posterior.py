@@ -245,7 +245,10 @@ def test_training_is_skipped_where_the_laplace_start_measures_well(fitted):
 
 
 def test_a_funnel_is_trained_first():
-    """Eight schools' centered funnel: the Laplace start's draws spread by nats, so the guide is trained."""
+    """
+    Eight schools' centered funnel: its joint density has no mode (the Laplace start is the locals'
+    conditional one, not measured), or the Laplace start's draws spread by nats: the guide is trained.
+    """
     effects = torch.tensor([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0])
     stddevs = torch.tensor([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0])
 
@@ -270,7 +273,7 @@ def test_a_funnel_is_trained_first():
         max_plate_nesting=1,
         progress=False,
     )
-    assert len(fitted.history["losses"]) == 20 and fitted.history["laplace_spread"] > 1.0
+    assert len(fitted.history["losses"]) == 20 and fitted.history.get("laplace_spread", math.inf) > 1.0
 
 
 def _pool_of_means(offsets: torch.Tensor) -> TMCPosterior:
