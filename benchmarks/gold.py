@@ -485,9 +485,11 @@ def run_fit_posterior(problem: Problem, settings: Settings, progress):
     moments = {name: (site.mean, site.stddev) for name, site in posterior.moments.items()}
     diagnostics = posterior.diagnostics(warn=False)
     worst = max(diagnostics.site_khat, key=diagnostics.site_khat.get)
+    average, worst_error = posterior.history["mean_error_quantiles"]
     note = (
         f"k-hat {diagnostics.khat:.2f} (worst site {worst}: {diagnostics.site_khat[worst]:.2f}; "
-        f"draws {diagnostics.khat_draws:.2f}); eff. draws {diagnostics.effective_draws:.1f}"
+        f"draws {diagnostics.khat_draws:.2f}); eff. draws {diagnostics.effective_draws:.1f}; "
+        f"{posterior.history['readout_draws']} draws, MC error (95%) {average:.3f} / {worst_error:.3f}"
     )
     return site_moments_to_gym(problem, moments), note, {"khat": diagnostics.khat}
 

@@ -160,7 +160,10 @@ def fit_posterior(
             draw = readout.draw(model, proposal, *args, **kwargs)
         draws.append(read_draw(draw, samples_per_draw))
     history["readout_draws"] = len(draws)
-    return TMCPosterior(model, draws, args, kwargs, guide=proposal, history=history)
+    posterior = TMCPosterior(model, draws, args, kwargs, guide=proposal, history=history)
+    # what the stopping rule read, at the end: above target_error where max_draws stopped it first
+    posterior.history["mean_error_quantiles"] = posterior.mean_error_quantiles(ERROR_PROBABILITY)
+    return posterior
 
 
 def small_enough(model, draws, target_error: float) -> bool:
