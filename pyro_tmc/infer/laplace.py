@@ -101,15 +101,19 @@ def laplace_approximation(
     log_density.band = _chain_band(proposal)  # the Hessian's sparsity, where the model is a chain
 
     point, conditional, joint_steps = start.detach().double(), None, newton_steps
+    derivatives = _derivatives(log_density, point)  # at the start: read by the first phase's first step
+    if derivatives is None or not _finite(derivatives):
+        return None
     locals_first = _locals_mask(proposal)
-    if locals_first is not None and _needs_locals_first(log_density, point):
-        point, value, cholesky, _ = _mode(log_density, point, newton_steps, free=locals_first)
+    if locals_first is not None and _needs_locals_first(log_density, point, derivatives):
+        point, value, cholesky, _ = _mode(log_density, point, newton_steps, locals_first, derivatives)
+        derivatives = None  # those of the start, which the locals left
         if point is None:
             return None
         if cholesky is not None:
             conditional = _conditional_approximation(proposal, point, value, cholesky, locals_first)
         joint_steps = min(newton_steps, FUNNEL_JOINT_STEPS)
-    moved, value, cholesky, converged = _mode(log_density, point, joint_steps)
+    moved, value, cholesky, converged = _mode(log_density, point, joint_steps, derivatives=derivatives)
     if cholesky is not None and (converged or conditional is None):
         return GaussianApproximation(moved, torch.cholesky_inverse(cholesky), value)
     return conditional
@@ -131,11 +135,17 @@ def _conditional_approximation(proposal, point, value, cholesky, free) -> Gaussi
     return GaussianApproximation(point, covariance, value, at_mode=False)
 
 
-def _mode(log_density, point: torch.Tensor, steps: int, free: Optional[torch.Tensor] = None):
+def _mode(
+    log_density,
+    point: torch.Tensor,
+    steps: int,
+    free: Optional[torch.Tensor] = None,
+    derivatives: Optional[tuple] = None,
+):
     """
     Damped Newton steps (:func:`_damped_step`) in the ``free`` coordinates (a mask; ``None``: all)
     until a Newton step is below a thousandth of the posterior sd in every free coordinate, at most
-    ``steps`` of them.
+    ``steps`` of them. ``derivatives``: those at ``point``, if already computed (a Hessian each).
 
     :returns: the point, its log density, and the Cholesky factor of the negative Hessian in the
         free coordinates (``None`` where the density is not concave there), and whether it
@@ -144,7 +154,8 @@ def _mode(log_density, point: torch.Tensor, steps: int, free: Optional[torch.Ten
     """
     damping = 0.0
     for step in range(steps + 1):
-        derivatives = _derivatives(log_density, point)
+        if step or derivatives is None:
+            derivatives = _derivatives(log_density, point)
         if derivatives is None or not _finite(derivatives):
             return None, None, None, False
         value, gradient, hessian = derivatives
@@ -177,16 +188,14 @@ def _locals_mask(proposal) -> Optional[torch.Tensor]:
     return torch.arange(total) >= num_globals
 
 
-def _needs_locals_first(log_density, point: torch.Tensor) -> bool:
+def _needs_locals_first(log_density, point: torch.Tensor, derivatives: tuple) -> bool:
     """
     Whether Newton's step from ``point`` fails to raise the density. A funnel's joint density grows
     without bound towards its neck (stochastic volatility's shock scale to 0 with every day on the
     AR(1) mean path, as a start with every day at one value is), so from such a start the locals
     move to their conditional mode first, the globals fixed, which is away from the neck.
+    ``derivatives``: the value, gradient and Hessian at ``point``.
     """
-    derivatives = _derivatives(log_density, point)
-    if derivatives is None or not _finite(derivatives):
-        return False
     value, gradient, hessian = derivatives
     moved, damping = _damped_step(log_density, point, value, gradient, -hessian, 0.0, tries=1)
     return moved is None
