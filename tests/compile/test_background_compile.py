@@ -39,7 +39,7 @@ def test_the_switch_runs_the_compiled_graph(monkeypatch, tmp_path):
 
 @pytest.mark.xfail(
     strict=False,
-    reason="measured at beddbcd, alone in a fresh process: the child's AOTAutograd and FX graph cache keys "
+    reason="measured at 4919297, alone in a fresh process: the child's AOTAutograd and FX graph cache keys "
     "both differ from this process's (two aotautograd entries, fxgraph_cache_miss), so the switch compiles "
     "afresh; it passed in the session that wrote it (f622f03). Open: which part of the key differs.",
 )
