@@ -293,7 +293,9 @@ def laplace_proposal(
     their number), or ``None`` where it does not exist (or, with ``at_mode``, where it is the
     locals' conditional one: the joint density has no mode).
     """
-    approximation = laplace_approximation(model, proposal, proposal_mean(proposal), args, kwargs)
+    approximation = laplace_approximation(
+        model, proposal, proposal_mean(proposal), args, kwargs, conditional=not at_mode
+    )
     if approximation is None or (at_mode and not approximation.at_mode):
         return None
     num_globals = proposal.num_globals

@@ -36,6 +36,7 @@ import torch
 from pyro import poutine
 
 from pyro_tmc.infer.chain_proposal import chain_scan
+from pyro_tmc.infer.precision_factor import Factor, precision_factor
 from pyro_tmc.poutine.sites import structure_trace
 
 #: coordinates above which the Hessian (one backward pass each) is not attempted
@@ -48,6 +49,17 @@ FIRST_DAMPING, DAMPINGS = 1e-3, 12
 #: joint Newton steps after the locals' conditional mode (:func:`_needs_locals_first`): a funnel's
 #: joint density climbs towards its neck at every step, and the conditional approximation stands
 FUNNEL_JOINT_STEPS = 8
+#: globals at most whose Laplace marginal is computed where the joint density has no mode
+#: (:func:`_globals_marginal`: 1 + 2G + G(G-1)/2 conditional modes)
+MARGINAL_GLOBALS = 6
+#: the finite differences' step, in the globals' current sds: within the posterior, where L is close
+#: to quadratic, and far enough for float32 densities of thousands of terms to resolve its curvature
+MARGINAL_STEP = 0.5
+#: Newton steps of each conditional mode in the finite differences (from a start moved along the
+#: mode's response to the globals, which is right to second order)
+MARGINAL_NEWTON_STEPS = 4
+#: halvings of the Newton step on the globals' marginal before keeping the start
+MARGINAL_HALVINGS = 3
 
 
 class GaussianApproximation(NamedTuple):
@@ -76,6 +88,7 @@ def laplace_approximation(
     args: tuple = (),
     kwargs: Optional[dict] = None,
     newton_steps: int = NEWTON_STEPS,
+    conditional: bool = True,
 ) -> Optional[GaussianApproximation]:
     """
     The Laplace approximation of ``model``'s posterior over the sites ``proposal`` covers, from
@@ -87,6 +100,8 @@ def laplace_approximation(
     :param tuple args: the model's arguments.
     :param dict kwargs: its keyword arguments.
     :param int newton_steps: at most this many steps towards the mode.
+    :param bool conditional: where the joint density has no mode, return the locals' conditional
+        approximation beside the globals' Laplace marginal (``False``: ``None``).
     :returns: the approximation, or ``None`` where it does not exist or is not attempted: a latent
         site the proposal does not cover (a discrete one), more than :data:`MAX_COORDINATES`
         coordinates, a non-finite density, or a Hessian that is not negative definite.
@@ -100,39 +115,173 @@ def laplace_approximation(
 
     log_density.band = _chain_band(proposal)  # the Hessian's sparsity, where the model is a chain
 
-    point, conditional, joint_steps = start.detach().double(), None, newton_steps
+    point, found, joint_steps = start.detach().double(), None, newton_steps
     derivatives = _derivatives(log_density, point)  # at the start: read by the first phase's first step
     if derivatives is None or not _finite(derivatives):
         return None
     locals_first = _locals_mask(proposal)
     if locals_first is not None and _needs_locals_first(log_density, point, derivatives):
-        point, value, cholesky, _ = _mode(log_density, point, newton_steps, locals_first, derivatives)
+        point, value, factor, _ = _mode(log_density, point, newton_steps, locals_first, derivatives)
         derivatives = None  # those of the start, which the locals left
         if point is None:
             return None
-        if cholesky is not None:
-            conditional = _conditional_approximation(proposal, point, value, cholesky, locals_first)
+        if factor is not None:
+            found = ConditionalMode(point, value, factor)
         joint_steps = min(newton_steps, FUNNEL_JOINT_STEPS)
-    moved, value, cholesky, converged = _mode(log_density, point, joint_steps, derivatives=derivatives)
-    if cholesky is not None and (converged or conditional is None):
-        return GaussianApproximation(moved, torch.cholesky_inverse(cholesky), value)
-    return conditional
+    moved, value, factor, converged = _mode(log_density, point, joint_steps, derivatives=derivatives)
+    if factor is not None and (converged or found is None):
+        return GaussianApproximation(moved, factor.inverse(), value)
+    if found is None or not conditional:
+        return None
+    scale = proposal.global_proposal.scale_tril.double().diagonal()
+    marginal = _globals_marginal(log_density, found, locals_first, scale)
+    return _conditional_approximation(proposal, found, locals_first, marginal)
 
 
-def _conditional_approximation(proposal, point, value, cholesky, free) -> GaussianApproximation:
+class ConditionalMode(NamedTuple):
     """
-    The locals' Laplace approximation given the globals at ``point``, beside the globals' own
-    proposal (its scale matrix as their covariance), independent of each other: where the joint
-    density has no mode (a funnel's neck, where it grows without bound), the locals' conditional
-    one still gives them a Gaussian that follows their structure (a chain's steps their AR path).
+    The locals' conditional mode given the globals: the point (the globals where they stand), its log
+    density, and the Cholesky factor of the negative Hessian in the locals' coordinates.
     """
+
+    point: torch.Tensor
+    value: float
+    factor: Factor
+
+
+class GlobalsMarginal(NamedTuple):
+    """
+    The globals' Laplace marginal (:func:`_globals_marginal`): their mean and covariance, and the
+    locals' conditional mode at that mean.
+    """
+
+    mean: torch.Tensor
+    covariance: torch.Tensor
+    mode: ConditionalMode
+
+
+def _conditional_approximation(
+    proposal, conditional: ConditionalMode, free: torch.Tensor, marginal: Optional[GlobalsMarginal]
+) -> GaussianApproximation:
+    """
+    The locals' Laplace approximation given the globals, beside the globals' own Gaussian, independent
+    of each other: where the joint density has no mode (a funnel's neck, where it grows without
+    bound), the locals' conditional one still gives them a Gaussian that follows their structure (a
+    chain's steps their AR path). The globals' Gaussian is their Laplace marginal where it exists
+    (:func:`_globals_marginal`), the locals' mode then taken at its mean; else the globals' own
+    proposal (its scale matrix as their covariance).
+    """
+    if marginal is not None:
+        conditional = marginal.mode
+    point = conditional.point
     covariance = torch.zeros(len(point), len(point), dtype=point.dtype)
     index = free.nonzero().squeeze(-1)
-    covariance[index.unsqueeze(-1), index] = torch.cholesky_inverse(cholesky)
-    scale_tril = proposal.global_proposal.scale_tril.double()
+    covariance[index.unsqueeze(-1), index] = conditional.factor.inverse()
     globals_index = (~free).nonzero().squeeze(-1)
-    covariance[globals_index.unsqueeze(-1), globals_index] = scale_tril @ scale_tril.T
-    return GaussianApproximation(point, covariance, value, at_mode=False)
+    if marginal is not None:
+        globals_covariance = marginal.covariance
+    else:
+        scale_tril = proposal.global_proposal.scale_tril.double()
+        globals_covariance = scale_tril @ scale_tril.T
+    covariance[globals_index.unsqueeze(-1), globals_index] = globals_covariance
+    return GaussianApproximation(point, covariance, conditional.value, at_mode=False)
+
+
+def _globals_marginal(
+    log_density, conditional: ConditionalMode, free: torch.Tensor, scale: torch.Tensor
+) -> Optional[GlobalsMarginal]:
+    """
+    The globals' Laplace marginal, where the joint density has no mode: the log density of the globals
+    alone, the locals integrated out by their conditional Laplace approximation,
+
+        L(g) = log p(data, x*(g), g) - 1/2 log det(-H_xx(x*(g), g))        (x*(g): the locals' mode),
+
+    its gradient and Hessian by finite differences at the conditional mode's globals (steps of
+    :data:`MARGINAL_STEP` times ``scale``, the globals' current sds), one damped Newton step on it,
+    and the covariance ``-Hessian^-1``. It is the approximation of Tierney and Kadane (1986) that INLA
+    (Rue, Martino and Chopin 2009) uses for its hyperparameters. The log-determinant is what a funnel
+    needs: without it (the Schur complement of the joint Hessian alone) a volatility model's shock
+    scale curves the wrong way, as the joint density does; with it, on stochastic volatility's 2,516
+    days, the three globals' sds came within 5% of the gold's. Each evaluation finds the locals' mode
+    anew, from the conditional mode moved along how it follows the globals (the implicit function
+    theorem, :func:`_locals_response`), in a few Newton steps. ``None`` with more than
+    :data:`MARGINAL_GLOBALS` globals, or where L is not concave at the start.
+    """
+    outer = ~free
+    num_globals = int(outer.sum())
+    if not 0 < num_globals <= MARGINAL_GLOBALS:
+        return None
+    response = _locals_response(log_density, conditional, free)
+    if response is None:
+        return None
+
+    def marginal(delta: torch.Tensor) -> tuple[float, Optional[ConditionalMode]]:
+        start = conditional.point.clone()
+        start[outer] += delta
+        start[free] += response @ delta
+        point, value, factor, _ = _mode(log_density, start, MARGINAL_NEWTON_STEPS, free)
+        if point is None or factor is None:
+            return -math.inf, None
+        return value - factor.log_det() / 2, ConditionalMode(point, value, factor)
+
+    steps = MARGINAL_STEP * scale.double()
+    gradient, hessian, centre = _finite_differences(marginal, steps)
+    if gradient is None:
+        return None
+    cholesky, info = torch.linalg.cholesky_ex(-hessian)
+    if info != 0:
+        return None
+    covariance = torch.cholesky_inverse(cholesky)
+    value, mode = centre
+    delta = covariance @ gradient
+    for _ in range(MARGINAL_HALVINGS):  # the Newton step on L, halved until L rises
+        moved, moved_mode = marginal(delta)
+        if moved_mode is not None and moved >= value:
+            return GlobalsMarginal(moved_mode.point[outer], covariance, moved_mode)
+        delta = delta / 2
+    return GlobalsMarginal(mode.point[outer], covariance, mode)
+
+
+def _locals_response(log_density, conditional: ConditionalMode, free: torch.Tensor) -> Optional[torch.Tensor]:
+    """
+    How the locals' conditional mode moves with the globals, ``d x* / d g = -H_xx^-1 H_xg`` (the
+    implicit function theorem), at the conditional mode: ``(locals, globals)``.
+    """
+    derivatives = _derivatives(log_density, conditional.point)
+    if derivatives is None or not _finite(derivatives):
+        return None
+    hessian = derivatives[2]
+    cross = hessian[free][:, ~free]
+    return conditional.factor.solve(cross)  # (-H_xx)^-1 H_xg
+
+
+def _finite_differences(function, steps: torch.Tensor):
+    """
+    The gradient and Hessian of ``function`` (returning ``(value, payload)``) at 0 by finite
+    differences with ``steps`` per coordinate: central ones for the gradient and the diagonal,
+    forward ones for the cross terms (1 + 2G + G(G-1)/2 evaluations). ``(None, None, None)`` where an
+    evaluation fails; else also the value and payload at 0.
+    """
+    num = len(steps)
+    centre = function(torch.zeros(num, dtype=steps.dtype))
+    if not math.isfinite(centre[0]):
+        return None, None, None
+    unit = torch.eye(num, dtype=steps.dtype) * steps
+    plus = [function(unit[i])[0] for i in range(num)]
+    minus = [function(-unit[i])[0] for i in range(num)]
+    values = torch.tensor(plus + minus, dtype=steps.dtype)
+    if not torch.isfinite(values).all():
+        return None, None, None
+    plus, minus = values[:num], values[num:]
+    gradient = (plus - minus) / (2 * steps)
+    hessian = torch.diag((plus - 2 * centre[0] + minus) / steps**2)
+    for i in range(num):
+        for j in range(i + 1, num):
+            both = function(unit[i] + unit[j])[0]
+            if not math.isfinite(both):
+                return None, None, None
+            hessian[i, j] = hessian[j, i] = (both - plus[i] - plus[j] + centre[0]) / (steps[i] * steps[j])
+    return gradient, hessian, centre
 
 
 def _mode(
@@ -161,22 +310,32 @@ def _mode(
         value, gradient, hessian = derivatives
         converged = False
         if free is not None:
-            gradient, hessian = gradient[free], hessian[free][:, free]
-        cholesky, info = torch.linalg.cholesky_ex(-hessian)
-        if info == 0:
-            direction = torch.cholesky_solve(gradient.unsqueeze(-1), cholesky).squeeze(-1)
-            converged = bool(
-                (direction.abs() < 1e-3 * torch.cholesky_inverse(cholesky).diagonal().sqrt()).all()
-            )
+            gradient, hessian = _restricted(gradient, hessian, free)
+        factor = precision_factor(-hessian)
+        if factor is not None:
+            direction = factor.solve(gradient)
+            converged = bool((direction.abs() < 1e-3 * factor.inverse_diagonal().sqrt()).all())
             if converged:
                 break
         if step == steps:
             break
-        moved, damping = _damped_step(log_density, point, value, gradient, -hessian, damping, free)
+        undamped = factor if damping == 0 else None  # the first try's factor, already found
+        moved, damping = _damped_step(
+            log_density, point, value, gradient, -hessian, damping, free, factor=undamped
+        )
         if moved is None:  # no step raises the density: the approximation where it stands
             break
         point = moved
-    return point, value, cholesky if info == 0 else None, converged
+    return point, value, factor, converged
+
+
+def _restricted(gradient: torch.Tensor, hessian: torch.Tensor, free: torch.Tensor):
+    """The gradient and Hessian in the ``free`` coordinates: a view where they are one block (the locals')."""
+    index = free.nonzero().squeeze(-1)
+    if len(index) and int(index[-1] - index[0]) + 1 == len(index):
+        block = slice(int(index[0]), int(index[-1]) + 1)
+        return gradient[block], hessian[block, block]
+    return gradient[index], hessian[index][:, index]
 
 
 def _locals_mask(proposal) -> Optional[torch.Tensor]:
@@ -203,7 +362,9 @@ def _needs_locals_first(log_density, point: torch.Tensor, derivatives: tuple) ->
 
 def _finite(derivatives) -> bool:
     value, gradient, hessian = derivatives
-    return math.isfinite(value) and bool(torch.isfinite(hessian).all() and torch.isfinite(gradient).all())
+    # one sum, not a mask of the whole Hessian: a NaN or an infinity anywhere makes it non-finite
+    sums = float(hessian.sum()) + float(gradient.sum())
+    return math.isfinite(value) and math.isfinite(sums)
 
 
 def _damped_step(
@@ -215,6 +376,7 @@ def _damped_step(
     damping: float,
     free: Optional[torch.Tensor] = None,
     tries: int = 0,
+    factor: Optional[Factor] = None,
 ):
     """
     One Levenberg-Marquardt step up the log density: the Newton step on the negative Hessian plus
@@ -225,16 +387,18 @@ def _damped_step(
     on: stochastic volatility's shock scale, 5,000 sds away in one Newton step) is not crossed to
     a funnel's neck, and a point where the density is not concave still moves. A step that leaves
     a distribution's support counts as a fall. Only the ``free`` coordinates (a mask) move, the
-    gradient and Hessian given in them; ``tries`` (0: :data:`DAMPINGS`) bounds the dampings tried.
+    gradient and Hessian given in them; ``tries`` (0: :data:`DAMPINGS`) bounds the dampings tried;
+    ``factor``: the undamped negative Hessian's factor, where already found.
 
     :returns: the new point and damping, or ``(None, damping)`` where no step raises the density.
     """
     diagonal = negative_hessian.diagonal().abs()
     diagonal = torch.diag(diagonal.clamp(min=1e-12 * float(diagonal.max().clamp(min=1e-300))))
     for _ in range(tries or DAMPINGS):
-        cholesky, info = torch.linalg.cholesky_ex(negative_hessian + damping * diagonal)
-        if info == 0:
-            step = torch.cholesky_solve(gradient.unsqueeze(-1), cholesky).squeeze(-1)
+        if damping or factor is None:
+            factor = precision_factor(negative_hessian + damping * diagonal)
+        if factor is not None:
+            step = factor.solve(gradient)
             candidate = point + step if free is None else point.masked_scatter(free, point[free] + step)
             try:
                 with torch.no_grad():
@@ -276,11 +440,13 @@ class ChainBand(NamedTuple):
     Where a chain's Hessian can be non-zero: every global's row and column, and between two chain
     coordinates at most one step apart. ``colours``: per coordinate, -1 for a global, else a colour
     shared by no two chain coordinates that one row can meet (site, step mod 3); ``steps``: per
-    coordinate, its step (-1 for a global).
+    coordinate, its step (-1 for a global); ``plan``: per colour, the entries its Hessian-vector
+    product fills (:func:`_band_plan`), computed once where given.
     """
 
     colours: torch.Tensor
     steps: torch.Tensor
+    plan: Optional[tuple] = None
 
 
 def _chain_band(proposal) -> Optional[ChainBand]:
@@ -293,7 +459,31 @@ def _chain_band(proposal) -> Optional[ChainBand]:
         step = torch.arange(1, layout.size + 1)  # the later steps: 1 .. T-1, one coordinate each
         steps.append(step)
         colours.append(3 * index + step % 3)
-    return ChainBand(torch.cat(colours), torch.cat(steps))
+    band = ChainBand(torch.cat(colours), torch.cat(steps))
+    return band._replace(plan=_band_plan(band))
+
+
+def _band_plan(band: ChainBand) -> tuple:
+    """
+    Per colour of the chain coordinates: the colour, and the rows and columns of the Hessian's
+    entries that its Hessian-vector product holds (row r's entry at the one member of the colour
+    next to it, on each chain site, at most one step away).
+    """
+    chain = (band.colours >= 0).nonzero().squeeze(-1)
+    plan = []
+    for colour in band.colours[chain].unique().tolist():
+        members = (band.colours == colour).nonzero().squeeze(-1)
+        rows = chain[(band.steps[chain].unsqueeze(-1) - band.steps[members]).abs().min(-1).values <= 1]
+        hit_rows, hit_columns = [], []
+        for offset in (-1, 0, 1):  # the one member of this colour next to each row, on each site
+            target = band.steps[rows] + offset
+            for member_steps, member in _by_site(band, members):
+                position = torch.searchsorted(member_steps, target).clamp(max=len(member) - 1)
+                hit = member_steps[position] == target
+                hit_rows.append(rows[hit])
+                hit_columns.append(member[position[hit]])
+        plan.append((colour, torch.cat(hit_rows), torch.cat(hit_columns)))
+    return tuple(plan)
 
 
 def _banded_hessian(gradient: torch.Tensor, u: torch.Tensor, band: ChainBand) -> Optional[torch.Tensor]:
@@ -318,17 +508,9 @@ def _banded_hessian(gradient: torch.Tensor, u: torch.Tensor, band: ChainBand) ->
         column = product(torch.nn.functional.one_hot(torch.tensor(g), n).to(u.dtype))
         hessian[:, g] = column.detach()
         hessian[g, :] = column.detach()
-    chain = (band.colours >= 0).nonzero().squeeze(-1)
-    for colour in band.colours[chain].unique().tolist():
+    for colour, rows, columns in band.plan or _band_plan(band):
         hv = product((band.colours == colour).to(u.dtype)).detach()
-        members = (band.colours == colour).nonzero().squeeze(-1)
-        rows = chain[(band.steps[chain].unsqueeze(-1) - band.steps[members]).abs().min(-1).values <= 1]
-        for offset in (-1, 0, 1):  # the one member of this colour next to each row, on each site
-            target = band.steps[rows] + offset
-            for member_steps, member in _by_site(band, members):
-                position = torch.searchsorted(member_steps, target).clamp(max=len(member) - 1)
-                hit = member_steps[position] == target
-                hessian[rows[hit], member[position[hit]]] = hv[rows[hit]]
+        hessian[rows, columns] = hv[rows]
     generator = torch.Generator().manual_seed(0)
     probe = torch.randn(n, dtype=u.dtype, generator=generator)
     exact = product(probe).detach()

@@ -256,3 +256,92 @@ def test_a_chain_s_hessian_is_read_from_its_band(float64):
             assert torch.allclose(got, full, rtol=1e-10, atol=1e-10)
         else:
             assert got is None
+
+
+Y_REGRESSION = torch.tensor([0.4, -1.2, 2.1, 0.9, 1.6])
+X_REGRESSION = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0])  # not centred: the globals correlate
+
+
+def gaussian_locals(y):
+    """Two globals (intercept, slope) and a Gaussian local per point, linear in them: jointly Gaussian."""
+    intercept = pyro.sample("intercept", dist.Normal(0.0, 2.0))
+    slope = pyro.sample("slope", dist.Normal(0.0, 1.0))
+    with pyro.plate("points", len(y)):
+        z = pyro.sample("z", dist.Normal(intercept + slope * X_REGRESSION, 0.8))
+        pyro.sample("y", dist.Normal(z, 0.5), obs=y)
+
+
+def scale_funnel(y):
+    """A log scale and a Gaussian local per group on it: the joint density has no mode (tau -> 0)."""
+    tau = pyro.sample("tau", dist.LogNormal(0.0, 1.0))
+    with pyro.plate("groups", len(y)):
+        z = pyro.sample("z", dist.Normal(0.0, tau))
+        pyro.sample("y", dist.Normal(z, 1.0), obs=y)
+
+
+def exact_funnel_marginal(u: torch.Tensor) -> torch.Tensor:
+    """log p(y, log tau) of the funnel, the locals integrated out exactly: y_i ~ N(0, tau^2 + 1)."""
+    tau = u.exp()
+    log_prior = torch.distributions.LogNormal(0.0, 1.0).log_prob(tau) + u  # the density of log tau
+    variance = tau**2 + 1
+    return log_prior + torch.distributions.Normal(0.0, variance.sqrt()).log_prob(Y_REGRESSION.double()).sum()
+
+
+def conditional_start(model, y, globals_at: torch.Tensor):
+    """_globals_marginal's arguments: the log density, the locals' mask, their mode given the globals."""
+    from pyro_tmc.infer.laplace import ConditionalMode, _locals_mask, _mode
+
+    proposal = AdaptiveProposal(model, y)
+
+    def log_density(u):
+        return log_joint(model, proposal, u, (y,), {})
+
+    free = _locals_mask(proposal)
+    start = proposal_mean(proposal).double()
+    start[~free] = globals_at.double()
+    point, value, factor, converged = _mode(log_density, start, 20, free)
+    assert converged
+    return log_density, ConditionalMode(point, value, factor), free
+
+
+def test_the_globals_marginal_is_exact_where_the_locals_are_gaussian():
+    """For a jointly Gaussian model L(g) is the log marginal itself: its Newton step lands on the mode."""
+    from pyro_tmc.infer.laplace import _globals_marginal
+
+    start = torch.tensor([1.0, -0.5])
+    log_density, conditional, free = conditional_start(gaussian_locals, Y_REGRESSION, start)
+    marginal = _globals_marginal(log_density, conditional, free, torch.ones(2, dtype=torch.float64))
+    z = torch.zeros(7, dtype=torch.float64)
+    hessian = torch.autograd.functional.hessian(log_density, z)
+    gradient = torch.autograd.functional.jacobian(log_density, z)
+    covariance = torch.linalg.inv(-hessian)
+    mean = covariance @ gradient  # the joint posterior, one Newton step from 0
+    assert torch.allclose(marginal.mean, mean[:2], atol=1e-5)
+    assert torch.allclose(marginal.covariance, covariance[:2, :2], rtol=1e-4, atol=1e-6)
+    # the locals' mode at the globals' mean: the joint mode
+    assert torch.allclose(marginal.mode.point, mean, atol=1e-5)
+
+
+@pytest.mark.parametrize("start", [-0.5, 0.4])
+def test_the_globals_marginal_of_a_funnel_integrates_its_locals(start):
+    """
+    The funnel's locals are Gaussian given its scale, so L is the exact log marginal of log tau (up to
+    a constant): its finite differences, and the Newton step they give, are the exact marginal's.
+    """
+    from pyro_tmc.infer.laplace import MARGINAL_HALVINGS, MARGINAL_STEP, _globals_marginal
+
+    log_density, conditional, free = conditional_start(scale_funnel, Y_REGRESSION, torch.tensor([start]))
+    marginal = _globals_marginal(log_density, conditional, free, torch.ones(1, dtype=torch.float64))
+    u, h = torch.tensor(start, dtype=torch.float64), MARGINAL_STEP
+    exact = exact_funnel_marginal
+    second = (exact(u + h) - 2 * exact(u) + exact(u - h)) / h**2
+    first = (exact(u + h) - exact(u - h)) / (2 * h)
+    assert float(marginal.covariance) == pytest.approx(float(-1 / second), rel=1e-4)
+    # and within 12% of the analytic curvature at this step (the differences' error: h^2 / 12 of the
+    # fourth derivative over the second)
+    analytic = torch.autograd.functional.hessian(exact, u)
+    assert float(marginal.covariance) == pytest.approx(float(-1 / analytic), rel=0.12)
+    moved = float(marginal.mean) - start
+    steps = [float(first / -second) / 2**j for j in range(MARGINAL_HALVINGS)]
+    assert any(moved == pytest.approx(step, rel=1e-3) for step in steps), (moved, steps)
+    assert exact(u + moved) >= exact(u)
