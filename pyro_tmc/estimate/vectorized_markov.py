@@ -29,6 +29,19 @@ It leaves one factor over ``a`` and the last step's ``b``, which the rest of the
 contraction sums with ``z_0``'s own factors. This is the unrolled ``pyro.markov``
 chain's estimate, term for term: the same factors, contracted in another order.
 
+Dim ``a`` can stand for the steps before only where it is ``z_0``'s alone and holds
+as many particles as ``b``. Where ``z_0`` shares its dim with other latents that the
+links read (a global's ``Delta`` on an auxiliary site's dim, as
+:class:`~pyro_tmc.infer.adaptive_proposal.AdaptiveProposal` draws ``z_0`` with the
+globals), has one particle (``num_samples=1`` on the globals), or another count than
+the later steps, the previous steps get a dim ``p`` of their own instead
+(:func:`needs_own_previous_dim`): ``z_0`` on ``a`` at ``t = 1``, ``z_{t-1}^k`` on ``p``
+after it. The first link is then constant along ``p``, ``a`` is a batch dim of every
+link (it carries the globals' particles), and the product's ``p`` side is read at
+any one index (the first): the factor left is over ``a`` and the last step's ``b``,
+as before. Sharing ``a`` in that case would pair the globals' particle ``i`` with
+particle ``i`` of each step before: a wrong estimate, not an error.
+
 Several latents per step form one chain whose state is their joint particle
 index; a step's latents that do not carry over to the next step are summed per
 step. A latent summed exactly (``infer={"enumerate": "parallel"}``, drawn by the
@@ -42,8 +55,7 @@ whose draws at a step depend on the step before through its distribution's
 parameters (a guide that follows the chain draws its later steps as one
 :class:`~pyro_tmc.infer.chain_proposal.ChainProposal`, whose particles hold
 their ancestors and whose density is over the site's own particles), a chained latent
-that the model samples itself, different particle counts along the chain, and
-a time dim that is subsampled or scaled. ``sample_posterior`` and
+that the model samples itself, and a time dim that is subsampled or scaled. ``sample_posterior`` and
 ``predictive_log_likelihood`` raise :class:`NotImplementedError` on such a chain.
 
 Reference: Aitchison, L. (2019) "Tensor Monte Carlo: Particle Methods for the
@@ -63,6 +75,7 @@ import torch
 from pyro.poutine import Trace
 from pyro.poutine.messenger import Messenger
 
+from pyro_tmc._pyro import allocate_particle_dim
 from pyro_tmc.ops.chains import chain_product
 from pyro_tmc.ops.ring import contract_packed
 from pyro_tmc.ops.shapes import packed_view
@@ -70,6 +83,8 @@ from pyro_tmc.poutine.sites import has_particle_dim, own_particle_dim, particle_
 
 #: ``<var>slice(start, stop, None)``: the name ``vectorized_markov`` gives a site of its time dim
 _SLICE_NAME = re.compile(r"^(?P<var>.*)slice\((?P<start>\d+), (?P<stop>\d+), None\)$")
+#: the ``infer`` key of a previous-steps site whose steps have a particle dim of their own (its dim)
+PREVIOUS_STEPS_DIM = "_tmc_previous_steps_dim"
 
 
 @dataclass(frozen=True)
@@ -95,14 +110,18 @@ class MarkovTime:
     A time dim to contract as a chain: its packed symbol, and per chained latent,
     the symbol of the links' *from* side (the previous steps' particles: the first
     step's dim for a sampled latent, the previous-steps site's own dim for one
-    summed exactly), of their *to* side (the current steps' particles), and of the
-    first step's particles, which the from side stands for after the product.
+    summed exactly or for one whose previous steps have a dim of their own), of
+    their *to* side (the current steps' particles), and of the first step's
+    particles, which the from side stands for after the product; ``None`` where
+    the from side is a dim of the previous steps' own, along which the first link
+    is constant: the product is read at its first index, the first step's dims
+    being batch dims of the links.
     """
 
     symbol: str
     from_symbols: tuple[str, ...]
     current_symbols: tuple[str, ...]
-    first_symbols: tuple[str, ...]
+    first_symbols: tuple[Optional[str], ...]
     sites: tuple[str, ...]
 
 
@@ -199,6 +218,15 @@ def step_particle_dim(site) -> Optional[int]:
     return dims[0] if dims else None
 
 
+def own_previous_dim(site) -> Optional[int]:
+    """
+    The particle dim of a previous-steps site's own, where its steps have one
+    (:func:`needs_own_previous_dim`): where the particles of each step but the last
+    lie, the first step's staying on the first step's dims. ``None`` otherwise.
+    """
+    return (site.get("infer") or {}).get(PREVIOUS_STEPS_DIM)
+
+
 def _step_dims(site, dim: Optional[int]) -> dict[int, int]:
     """``dim -> id`` of the particle dims a latent's value varies along, without ``dim``."""
     value = site["value"]
@@ -210,25 +238,29 @@ def _step_dims(site, dim: Optional[int]) -> dict[int, int]:
     }
 
 
-def previous_steps_value(first, current, time_dim: int) -> tuple[torch.Tensor, dict[int, int]]:
+def previous_steps_value(
+    first, current, time_dim: int, own_dim: Optional[tuple[int, int]] = None
+) -> tuple[torch.Tensor, dict[int, int]]:
     """
     The value the previous-steps site takes: at step ``t`` (``t = 1 .. T-1``), the
-    particles of step ``t - 1``, on the first site's particle dim: the first site's
-    value, then the current site's without its last step.
+    particles of step ``t - 1``: the first site's value, then the current site's
+    without its last step, its particles on the first site's particle dim, or on
+    ``own_dim`` where given (:func:`needs_own_previous_dim`).
 
     :param first: the first step's site, ``current``: the current steps' site (guide trace nodes).
     :param int time_dim: the time dim (negative, left of the event dims).
+    :param own_dim: ``(dim, id)`` of a particle dim of the previous steps' own, or ``None``.
     :returns: the value and its ``dim -> id`` map.
     """
     event_dim = current["fn"].event_dim
     first_dim, current_dim = step_particle_dim(first), step_particle_dim(current)
+    target = own_dim[0] if own_dim is not None else first_dim
     before, now = first["value"], current["value"]
-    rank = max(before.dim(), now.dim(), event_dim - min(time_dim, first_dim or -1, current_dim or -1))
+    rank = max(before.dim(), now.dim(), event_dim - min(time_dim, target or -1, current_dim or -1))
     before = before.reshape((1,) * (rank - before.dim()) + before.shape)
     now = now.reshape((1,) * (rank - now.dim()) + now.shape)
-    if first_dim is not None and current_dim is not None and current_dim != first_dim:
-        now = now.transpose(current_dim - event_dim, first_dim - event_dim)
-        now = _with_count(now, first_dim - event_dim, before.size(first_dim - event_dim))
+    if target is not None and current_dim is not None and current_dim != target:
+        now = now.transpose(current_dim - event_dim, target - event_dim)
     time = time_dim - event_dim
     now = now.narrow(time, 0, now.size(time) - 1)
     shape = list(torch.broadcast_shapes(before.shape, now.shape))
@@ -237,22 +269,63 @@ def previous_steps_value(first, current, time_dim: int) -> tuple[torch.Tensor, d
     shape[time] = now.size(time)
     value = torch.cat([before, now.expand(shape)], dim=time)
     dim_to_id = {**_step_dims(current, current_dim), **_step_dims(first, None)}
-    if first_dim is not None:
+    if own_dim is not None:
+        dim_to_id[own_dim[0]] = own_dim[1]
+    elif first_dim is not None:
         dim_to_id[first_dim] = first["infer"]["_dim_to_id"][first_dim]
     return value, dim_to_id
 
 
-def _with_count(value: torch.Tensor, dim: int, count: int) -> torch.Tensor:
+def needs_own_previous_dim(guide_trace: Trace, link: TimeLink) -> bool:
     """
-    ``value`` with ``count`` entries along ``dim``, cycling through its own: only
-    where the first step's count differs from the later steps' (TMC's validation
-    probe gives every particle dim its own count). A real draw with different
-    counts is refused by the contraction (:func:`reduce_markov_times`).
+    Whether a chained latent's previous steps need a particle dim of their own,
+    rather than the first step's (see the module docstring): the first step has no
+    particle dim (one particle), another count than the later steps, or a dim that
+    another latent of the guide varies along (a global's, whose particle ``i`` the
+    links would pair with particle ``i`` of each step before). An auxiliary site
+    (an autoguide's ``"<name>_unconstrained"``) that only draws the first step does
+    not count: the model never reads it.
     """
-    size = value.size(dim)
-    if size in (count, 1):
-        return value
-    return value.index_select(dim, torch.arange(count, device=value.device) % size)
+    first, current = guide_trace.nodes[link.first], guide_trace.nodes[link.current]
+    current_dim = step_particle_dim(current)
+    if current_dim is None:
+        return False  # no particles of its own: markov_times names the site
+    first_dim = step_particle_dim(first)
+    if first_dim is None or _size_along(first, first_dim) != _size_along(current, current_dim):
+        return True
+    chain = (link.first, link.previous, link.current)
+    return any(
+        name not in chain
+        and site["type"] == "sample"
+        and not site["is_observed"]
+        and not site["infer"].get("is_auxiliary")
+        and _size_along(site, first_dim) > 1
+        for name, site in guide_trace.nodes.items()
+    )
+
+
+def _size_along(site, dim: int) -> int:
+    """The size of a sample site's value along batch dim ``dim`` (1 where it has no such dim)."""
+    value = site["value"]
+    if not isinstance(value, torch.Tensor) or not hasattr(site["fn"], "event_dim"):
+        return 1
+    batch = value.shape[: value.dim() - site["fn"].event_dim]
+    return batch[dim] if len(batch) >= -dim else 1
+
+
+def _unused_particle_dim(trace: Trace) -> tuple[int, int]:
+    """
+    A ``(dim, id)`` that no site of ``trace`` holds, from Pyro's allocator (which
+    continues the guide's run, as the model's does next): a global allocation, so
+    that no site of the model is given it afterwards.
+    """
+    taken = set()
+    for site in trace.nodes.values():
+        infer = site.get("infer") or {}
+        taken.update(infer.get("_dim_to_id", {}))
+        if infer.get("_enumerate_dim") is not None:
+            taken.add(infer["_enumerate_dim"])
+    return allocate_particle_dim(taken, recyclable=False)
 
 
 def with_previous_steps(guide_trace: Trace) -> Trace:
@@ -272,8 +345,11 @@ def with_previous_steps(guide_trace: Trace) -> Trace:
         first, current = guide_trace.nodes[link.first], guide_trace.nodes[link.current]
         _check_factorised_in_time(current, guide_trace.nodes.get(link.previous))
         time_dim = next(f.dim for f in current["cond_indep_stack"] if f.name == link.time)
-        value, dim_to_id = previous_steps_value(first, current, time_dim)
+        own_dim = _unused_particle_dim(replay) if needs_own_previous_dim(guide_trace, link) else None
+        value, dim_to_id = previous_steps_value(first, current, time_dim, own_dim)
         infer = {"_do_not_score": True, "_dim_to_id": dim_to_id}
+        if own_dim is not None:
+            infer[PREVIOUS_STEPS_DIM] = own_dim[0]
         replay.nodes[link.previous] = dict(current, name=link.previous, value=value, infer=infer)
     return replay
 
@@ -335,8 +411,13 @@ def markov_times(model_trace: Trace) -> dict[str, MarkovTime]:
                 "particles of the step before. Sample it in the guide, or mark it "
                 "infer={'enumerate': 'parallel'} to sum it exactly."
             )
-        first_symbol, current_symbol = (_own_symbol(site) for site in (first, current))
-        from_symbol = _own_symbol(previous) if has_particle_dim(previous) else first_symbol
+        current_symbol = _own_symbol(current)
+        own_dim = own_previous_dim(previous)
+        if own_dim is not None:  # the first step's dims are the links' batch dims
+            first_symbol, from_symbol = None, previous["infer"]["_dim_to_symbol"][own_dim]
+        else:
+            first_symbol = _own_symbol(first)
+            from_symbol = _own_symbol(previous) if has_particle_dim(previous) else first_symbol
         known = times.get(symbol, MarkovTime(symbol, (), (), (), ()))
         times[symbol] = MarkovTime(
             symbol,
@@ -416,6 +497,11 @@ def _contract_time(inside, outside, time: MarkovTime, plates: frozenset, plate_s
         )
     product = chain_product(links.reshape(lead + [num_from, num_to]))
     product = product.reshape(shape[: len(lead) - 1] + shape[len(lead) :])
-    # the product's from side holds the first step's particles (or its support)
-    product._pyro_dims = "".join(batch_plates + batch + list(time.first_symbols) + state_to)
+    # the product's from side holds the first step's particles (or its support); a from side of
+    # the previous steps' own is constant (the first link does not vary along it): read at index 0
+    for position in reversed(range(len(state_from))):
+        if time.first_symbols[position] is None:
+            product = product.select(len(lead) - 1 + position, 0)
+    first = [symbol for symbol in time.first_symbols if symbol is not None]
+    product._pyro_dims = "".join(batch_plates + batch + first + state_to)
     return product

@@ -38,7 +38,7 @@ import torch
 from pyro.ops.packed import pack
 
 from pyro_tmc.estimate.factors import LogFactor, contract_estimate
-from pyro_tmc.estimate.vectorized_markov import step_particle_dim
+from pyro_tmc.estimate.vectorized_markov import own_previous_dim, step_particle_dim
 from pyro_tmc.infer.adaptive_proposal import GLOBALS_SITE, AdaptiveProposal, LocalDraws
 from pyro_tmc.infer.posterior import marginals_and_log_estimate
 from pyro_tmc.infer.tmc_elbo import TMC_ELBO
@@ -223,8 +223,12 @@ def read_factor_posteriors(draw, proposal: AdaptiveProposal):
         site = model_trace.nodes[layout.name]
         link = proposal.chain_links.get(layout.name)
         if link is not None:
-            layouts[layout.name] = [site, model_trace.nodes[link.first]]
-            regressors[layout.name] = [model_trace.nodes[link.previous]]
+            previous = model_trace.nodes[link.previous]
+            # the step before's particles: on the first step's dim, or, after the first step, on the
+            # previous steps' own (the first step's dims then batch dims: pyro_tmc.estimate.vectorized_markov)
+            own = [previous] if own_previous_dim(previous) is not None else []
+            layouts[layout.name] = [site, model_trace.nodes[link.first]] + own
+            regressors[layout.name] = [previous]
             continue
         parents = [model_trace.nodes[p] for p in proposal.parents[layout.name]]
         layouts[layout.name] = [site] + parents + ([aux] if aux is not None else [])
@@ -232,9 +236,12 @@ def read_factor_posteriors(draw, proposal: AdaptiveProposal):
     sources = {name: _source(sites, model_trace) for name, sites in layouts.items()}
     with torch.enable_grad():
         factors = draw.factors()
-        factors += [LogFactor(f"(source {name})", source) for name, source in sources.items()]
+        factors += [LogFactor(f"(source {name})", pack(*source)) for name, source in sources.items()]
         log_estimate = contract_estimate(factors, draw.scales)
-        grads = torch.autograd.grad(log_estimate, list(sources.values()), allow_unused=True)
+        # by the unpacked sources: their dims are the values' (a size-1 dim between two others kept)
+        leaves = [source for source, _ in sources.values()]
+        grads = torch.autograd.grad(log_estimate, leaves, allow_unused=True)
+    sources = {name: source for name, (source, _) in sources.items()}
     # a marginal weight is a sum of non-negative terms: what rounding leaves below zero is none
     weights = {
         name: torch.zeros_like(s) if g is None else g.clamp(min=0)
@@ -257,11 +264,15 @@ def read_factor_posteriors(draw, proposal: AdaptiveProposal):
     return log_estimate.detach().reshape(()), globals_read, locals_read
 
 
-def _source(sites: list, model_trace) -> torch.Tensor:
-    """A packed zero tensor over each site's own particle dim and the first site's plates."""
+def _source(sites: list, model_trace) -> tuple[torch.Tensor, dict[int, str]]:
+    """A zero tensor over each site's own particle dim and the first site's plates, and its dims' symbols."""
     dim_to_symbol, sizes = {}, {}
     for site in sites:
-        dim = step_particle_dim(site)  # a chain's first step may be a point mass (a global's Delta)
+        dim = own_previous_dim(site)
+        if dim is None:
+            dim = step_particle_dim(site)  # a chain's first step may be a point mass (a global's Delta)
+        if dim is None:
+            continue  # one particle (a chain's first step, with the globals at K=1): no dim to span
         value = site["value"]
         batch_ndim = value.dim() - site["fn"].event_dim
         dim_to_symbol[dim] = site["infer"]["_dim_to_symbol"][dim]
@@ -273,7 +284,7 @@ def _source(sites: list, model_trace) -> torch.Tensor:
     shape = [sizes.get(d, 1) for d in range(min(sizes), 0)]
     value = sites[0]["value"]
     source = torch.zeros(shape, dtype=value.dtype, device=value.device, requires_grad=True)
-    return pack(source, dim_to_symbol)
+    return source, dim_to_symbol
 
 
 def _local_draws(layout, proposal, site, regressor_sites: list, weights: torch.Tensor) -> LocalDraws:

@@ -197,12 +197,15 @@ def marginals_and_log_estimate(draw) -> tuple["OrderedDict[str, Empirical]", tor
         if name in model_trace.nodes:
             samples = _particles_last(site, site["value"].detach(), site["fn"].event_dim)
             marginals[name] = ParticleMarginal(samples, log_weights)
+    # a vectorized_markov chain's previous steps hold the steps before's particles: no marginal of their own
+    # (their values may carry a particle dim that no site's weights are over)
+    unscored = unscored_sites(model_trace, draw.guide_trace)
     for name in point_mass_sites(model_trace):
+        if name in unscored:
+            continue
         marginal = _point_mass_marginal(model_trace.nodes[name], log_weights_of, model_trace.plate_to_symbol)
         if marginal is not None:
             marginals[name] = marginal
-    # a vectorized_markov chain's previous steps hold the steps before's particles: no marginal of their own
-    unscored = unscored_sites(model_trace, draw.guide_trace)
     marginals = OrderedDict(
         (name, marginals[name]) for name in model_trace.nodes if name in marginals and name not in unscored
     )

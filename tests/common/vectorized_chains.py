@@ -4,6 +4,10 @@
   guide factorised over time; ``brute_force`` and ``exact_log_evidence`` are its oracles.
 - ``vectorized_walk``: a walk of any length (scale ``WALK_STEP_SCALE``, noise ``OBSERVATION_SCALE``),
   with ``exact_walk_posterior``.
+- ``globals_model``: a walk whose every step reads globals (its location and scale), with
+  ``chain_brute_force`` (any particle counts, the globals' included) over ``globals_head`` and
+  ``globals_link``; ``drift_model``: a linear-Gaussian chain whose every step reads a global drift,
+  with ``drift_exact_log_evidence``.
 
 Import this module only after ``pytest.importorskip("funsor")``: ``vectorized_markov`` needs it.
 """
@@ -104,3 +108,90 @@ def exact_walk_posterior(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     )
     cov = torch.linalg.inv(precision)
     return cov @ y.double() / OBSERVATION_SCALE**2, cov.diagonal().sqrt()
+
+
+# -- chains whose steps read the globals ----------------------------------------------------------
+
+GLOBALS_X = torch.tensor([0.5, -0.3, 1.2], dtype=torch.float64)
+DRIFT, DRIFT_SCALE = 0.8, 0.7
+DRIFT_X = torch.tensor([0.9, -0.4, 1.7, 0.3], dtype=torch.float64)
+
+
+def globals_model(x):
+    """m ~ N(0, 1), s ~ LogNormal(0, 0.5), z_0 ~ N(m, s), z_t ~ N(z_{t-1}, s), x_t ~ N(z_t, 1)."""
+    m = pyro.sample("m", dist.Normal(0.0, 1.0))
+    s = pyro.sample("s", dist.LogNormal(0.0, 0.5))
+    previous = m
+    for t in vectorized_markov(name="time", size=x.shape[-1], dim=-1):
+        previous = pyro.sample(f"z_{t}", dist.Normal(previous, s))
+        pyro.sample(f"x_{t}", dist.Normal(previous, 1.0), obs=x[t])
+
+
+def globals_head(m, s, z0, x) -> torch.Tensor:
+    """``globals_model``'s log density of the globals and the first step (with its observation)."""
+    return (
+        dist.Normal(0.0, 1.0).log_prob(m)
+        + dist.LogNormal(0.0, 0.5).log_prob(s)
+        + dist.Normal(m, s).log_prob(z0)
+        + dist.Normal(z0, 1.0).log_prob(x[0])
+    )
+
+
+def globals_link(x):
+    """``(globals, z_{t-1}, z_t, t) -> log p(z_t | z_{t-1}, s) p(x_t | z_t)`` of ``globals_model``."""
+
+    def log_link(context, previous, value, t):
+        _, s = context
+        return dist.Normal(previous, s).log_prob(value) + dist.Normal(value, 1.0).log_prob(x[t])
+
+    return log_link
+
+
+def chain_brute_force(heads, later: torch.Tensor, later_log_q: torch.Tensor, log_link) -> torch.Tensor:
+    """
+    The TMC estimate of a chain by brute force over every combination of particles::
+
+        log mean_c exp(head_c) K^-(T-1) sum_{k_1..k_{T-1}} prod_t p(z_t^{k_t} | z_{t-1}) / q_t(z_t^{k_t})
+
+    :param heads: ``(log weight, z_0, context)`` per combination ``c`` of the globals' and the
+        first step's particles: the log weight is ``log p - log q`` of those sites (and of the
+        first step's observation); ``context`` (the globals) is passed to ``log_link``.
+    :param later: ``(K, T - 1)`` the later steps' particles; ``later_log_q``: their log proposal densities.
+    :param log_link: ``(context, z_{t-1}, z_t, t) -> log p(z_t | z_{t-1}) + log p(x_t | z_t)``.
+    """
+    num, steps = later.shape
+    outer = []
+    for log_weight, first, context in heads:
+        paths = []
+        for ks in itertools.product(range(num), repeat=steps):
+            previous, total = first, log_weight
+            for step, k in enumerate(ks):
+                total = total + log_link(context, previous, later[k, step], step + 1) - later_log_q[k, step]
+                previous = later[k, step]
+            paths.append(total)
+        outer.append(torch.logsumexp(torch.stack(paths), 0) - steps * math.log(num))
+    return torch.logsumexp(torch.stack(outer), 0) - math.log(len(heads))
+
+
+def drift_model(x):
+    """m ~ N(0, 1), z_0 ~ N(m, s), z_t ~ N(rho z_{t-1} + m, s), x_t ~ N(z_t, 1): every step reads m."""
+    m = pyro.sample("m", dist.Normal(0.0, 1.0))
+    previous = None
+    for t in vectorized_markov(name="time", size=x.shape[-1], dim=-1):
+        loc = m if previous is None else DRIFT * previous + m
+        previous = pyro.sample(f"z_{t}", dist.Normal(loc, DRIFT_SCALE))
+        pyro.sample(f"x_{t}", dist.Normal(previous, 1.0), obs=x[t])
+
+
+def drift_exact_log_evidence(x: torch.Tensor) -> torch.Tensor:
+    """log p(x) of ``drift_model``: z = B (m, e_0, .., e_{T-1}), a linear map of independent normals."""
+    length = x.shape[-1]
+    maps = torch.zeros(length, length + 1, dtype=x.dtype)
+    maps[0, 0] = maps[0, 1] = 1.0
+    for t in range(1, length):
+        maps[t] = DRIFT * maps[t - 1]
+        maps[t, 0] += 1.0
+        maps[t, t + 1] += 1.0
+    variances = torch.tensor([1.0] + [DRIFT_SCALE**2] * length, dtype=x.dtype)
+    cov = maps @ torch.diag(variances) @ maps.T + torch.eye(length, dtype=x.dtype)
+    return dist.MultivariateNormal(torch.zeros_like(x), cov).log_prob(x)

@@ -304,16 +304,6 @@ def test_a_chained_latent_sampled_by_the_model_is_refused(float64):
         TMC_ELBO(num_samples=K, max_plate_nesting=1).loss(model, lambda x: None, X)
 
 
-def test_different_counts_along_the_chain_are_refused(float64):
-    def uneven_guide(x):
-        for t in vectorized_markov(name="time", size=x.shape[-1], dim=-1):
-            infer = {"num_samples": K + 1} if isinstance(t, int) else {}
-            pyro.sample(f"z_{t}", dist.Normal(GUIDE_LOC[t], GUIDE_SCALE[t]), infer=infer)
-
-    with pytest.raises(ValueError, match="one count at every step"):
-        TMC_ELBO(num_samples=K, max_plate_nesting=1).loss(model, uneven_guide, X)
-
-
 def test_predictive_log_likelihood_refuses_by_name(float64):
     from pyro_tmc.infer.predictive import predictive_log_likelihood
 
