@@ -104,7 +104,9 @@ class BackgroundCompile:
         specs: list[_Spec] = [(tuple(t.shape), t.stride(), t.dtype, str(t.device)) for t in inputs]
         try:
             self._blob = pickle.dumps(self.graph)
-            job = pickle.dumps((self._blob, specs, self.settings, self.compile_in_process))
+            # this process's threads: inductor's cache key holds the thread count the compiled code is for
+            threads = torch.get_num_threads()
+            job = pickle.dumps((self._blob, specs, self.settings, self.compile_in_process, threads))
         except Exception as error:  # e.g. a graph holding a subgraph that does not pickle
             self._compile_here(inputs, f"the graph does not pickle ({error})")
             return
@@ -152,12 +154,19 @@ def _read_tail(path: str, size: int = 600) -> str:
 
 
 def _compile_job(path: str) -> None:
-    """The child: compile the pickled graph on empty inputs of its examples' specs, into inductor's cache."""
+    """
+    The child: compile the pickled graph on empty inputs of its examples' specs, into inductor's
+    cache, for as many threads as the parent runs.
+    """
     from pyro_tmc._torch import load_inductor_tracing
 
     load_inductor_tracing()  # inductor's tracing expects dynamo's modules loaded
     with open(path, "rb") as file:
-        blob, specs, settings, compile_graph = pickle.load(file)
+        blob, specs, settings, compile_graph, threads = pickle.load(file)
+    # the parent's thread count, not one of the child's own: the keys of AOTAutograd's and of
+    # inductor's caches hold it (``cpp_runtime_thread_count``: the compiled code's OpenMP threads),
+    # and a child compiling for 1 thread, under a parent of 2, left the switch two misses
+    torch.set_num_threads(threads)
     graph = pickle.loads(blob)
     examples = [
         torch.empty_strided(shape, stride, dtype=dtype, device=device)
@@ -171,5 +180,4 @@ def _compile_job(path: str) -> None:
 
 
 if __name__ == "__main__":
-    torch.set_num_threads(1)  # a child process of its own: its settings are its own
     _compile_job(sys.argv[1])

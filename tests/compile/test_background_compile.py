@@ -1,6 +1,5 @@
 """A captured step compiled in a child process: the switch to its compiled code, and its cache hit."""
 
-import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -37,17 +36,18 @@ def test_the_switch_runs_the_compiled_graph(monkeypatch, tmp_path):
         assert torch.allclose(value, (x.sin() * 2.0).sum(0))
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="measured at 4919297, alone in a fresh process: the child's AOTAutograd and FX graph cache keys "
-    "both differ from this process's (two aotautograd entries, fxgraph_cache_miss), so the switch compiles "
-    "afresh; it passed in the session that wrote it (f622f03). Open: which part of the key differs.",
-)
 def test_the_switch_to_the_childs_compile_hits_aot_autograds_cache(monkeypatch, tmp_path):
     """
-    The child compiles the graph as a replay runs it, without grad: grad mode is part of the key
-    of AOTAutograd's cache, and a child that compiled with grad on left the step that switched a
-    miss there (only inductor's cache, keyed after AOTAutograd's trace of the whole graph, hit).
+    The child compiles the graph as a replay runs it, without grad and for this process's thread
+    count: both are part of the key of AOTAutograd's cache (and the threads of inductor's). A
+    child that compiled with grad on left the step that switched a miss there (only inductor's
+    cache, keyed after AOTAutograd's trace of the whole graph, hit); one that compiled for 1
+    thread, under a parent of 2, left it two misses, and the switch compiled afresh.
     """
-    _, _, _, aot = _switch(monkeypatch, tmp_path)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # not the child's own default of 1, whatever this machine's cores
+    try:
+        _, _, _, aot = _switch(monkeypatch, tmp_path)
+    finally:
+        torch.set_num_threads(threads)
     assert aot.get("autograd_cache_hit") == 1 and not aot.get("autograd_cache_miss"), aot
