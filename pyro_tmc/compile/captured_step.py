@@ -96,6 +96,7 @@ from pyro_tmc.compile.forward_trace import (
 from pyro_tmc.compile.loop_rolling import (
     count_groups,
     count_operations,
+    drop_replay_copies,
     eliminate_dead_code,
     graph_constants,
     merge_repeated_zeros,
@@ -965,6 +966,7 @@ class StepProgram:
         self.captures += 1
         self._say_if_not_rolled(key, program, recorder.markov_sites)
         eliminate_dead_code(program.graph)
+        drop_replay_copies(program.graph)  # replayed without grad (:meth:`_replay`)
         program.recompile()
         specs = [_spec(p) for p in params]
         captured = CapturedStep(program, unrolled, names, specs, structure, [eager_seconds], times=times)

@@ -1083,6 +1083,43 @@ def eliminate_dead_code(graph: Graph) -> bool:
     return graph.eliminate_dead_code(is_impure_node=impure)
 
 
+#: operations whose value is their operand's, for a graph replayed without grad: a copy of a
+#: constant (``make_fx`` copies each tensor constant it meets) and a detach
+_REPLAY_COPIES = (aten.lift_fresh_copy.default, aten.detach.default)
+
+
+def drop_replay_copies(graph: Graph) -> int:
+    """
+    Each of :data:`_REPLAY_COPIES` whose value is only read replaced by its operand, in a graph
+    replayed without grad (a captured step: its backward is operations of its own). Each was an
+    operation at every replay: the enumerated HMM's rolled step held 20 copies of its constant
+    indices and 20 detaches of its shifts, of 995 operations. Left as it is where the value, or
+    a view of it, is written in place, or is the graph's output (a detached parameter returned
+    as itself would be the parameter, with its grad).
+
+    :returns: how many were dropped.
+    """
+    dropped = 0
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target in _REPLAY_COPIES and _only_read(node):
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+            dropped += 1
+    return dropped
+
+
+def _only_read(node: Node) -> bool:
+    """Whether no user of ``node``, nor of a view of it, writes into it, and none is the output."""
+    for user in node.users:
+        if user.op != "call_function" or _mutates(user):
+            return False
+        if user.target is operator.getitem or not isinstance(user.target, OpOverload):
+            return False  # a pytree's part, or a higher-order operator's operand: not looked into
+        if any(r.alias_info is not None for r in schema_of(user.target).returns) and not _only_read(user):
+            return False
+    return True
+
+
 def merge_equal_constants(module: GraphModule) -> None:
     """One ``get_attr`` node per distinct constant tensor (a loop makes the same constant at every step)."""
     seen: dict[tuple, Node] = {}

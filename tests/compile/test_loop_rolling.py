@@ -33,6 +33,7 @@ from pyro_tmc.compile.loop_rolling import (
     _Batched,
     collapse_sum_chains,
     count_operations,
+    drop_replay_copies,
     merge_repeated_zeros,
     narrow_unbinds,
     roll,
@@ -224,6 +225,38 @@ def test_repeated_zeros_merge_unless_written_or_returned():
     graph.recompile()
     assert count(aten.zeros.default) == 3 and count(aten.expand.default) == 2
     for got, want in zip(graph(x), expected):
+        assert torch.equal(got, want)
+
+
+def test_copies_only_read_are_dropped_unless_written_or_returned():
+    """
+    A copy of a constant, or a detach, whose value is only read becomes its operand (the values
+    are the same); one written into (through a view too), or returned, stays.
+    """
+    aten = torch.ops.aten
+
+    def step(x):
+        index = torch.tensor([2, 0])  # a constant's copy, only read
+        read = x.index_select(0, index).detach().exp()  # a detach, only read
+        written = torch.tensor([1.0, 2.0])  # a constant's copy written into: stays
+        written.add_(x[0])
+        viewed = x.detach()  # written through a view: stays
+        viewed.view(-1).mul_(1.0)
+        return read + written, x[0].detach()  # a detach returned: stays
+
+    x = torch.randn(3, 2)
+    graph = make_fx(step)(x)
+
+    def count(target):
+        return sum(node.target is target for node in graph.graph.nodes)
+
+    copies, detaches = count(aten.lift_fresh_copy.default), count(aten.detach.default)
+    assert copies == 2 and detaches == 3, graph.code
+    expected = graph(x.clone())
+    assert drop_replay_copies(graph.graph) == 2  # the index's copy, the detach before exp
+    graph.recompile()
+    assert count(aten.lift_fresh_copy.default) == 1 and count(aten.detach.default) == 2
+    for got, want in zip(graph(x.clone()), expected):
         assert torch.equal(got, want)
 
 
