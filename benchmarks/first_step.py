@@ -5,6 +5,7 @@
     python benchmarks/first_step.py --warm                        # inductor's caches filled first
     python benchmarks/first_step.py --modes graph-traced,graph    # make_fx's traces against recordings
     python benchmarks/first_step.py --modes inductor,inductor-background
+    python benchmarks/first_step.py --modes graph,inductor --interleaved 10   # per step, beside the reference
 
 Cases (one ``loss_and_grads`` of ``TMC_ELBO`` per step):
 
@@ -41,6 +42,13 @@ extra; skipped with a note otherwise) time the same HMM written with
 and one Adam update, jit-compiled by XLA on one thread. NumPyro's ``TraceEnum_ELBO`` is
 not used: with ``scan`` and enumerated states it gives a wrong loss (29836.1 at T=200).
 Each NumPyro row's loss is checked against the exact value.
+
+``--interleaved ROUNDS`` times the steps alone, robust to a loaded machine: each mode and the
+case's reference (NumPyro's ``scan`` for the HMM, where installed; for the chain, ``frontier.py``'s
+hand-written log-depth tree in float32, eager, the issue's reference) in a persistent child
+process, past its first 16 steps, the children taking turns at ``--steps`` steps each, ROUNDS
+times; a row gives the mode's median step and the median (and range) over rounds of its time
+over the reference's in the same round.
 """
 
 import argparse
@@ -135,7 +143,8 @@ def pyro_tmc_case(case: str, mode: str):
     return loss, frontier.chain_model, frontier.chain_guide, (torch.tensor(frontier.CHAIN_X), N)
 
 
-def run_pyro_tmc(case: str, mode: str) -> dict:
+def pyro_tmc_step(case: str, mode: str):
+    """``(step, loss)``: one ``loss_and_grads`` of the case (its gradients dropped), 1 thread, seeded."""
     import torch
 
     import pyro
@@ -152,6 +161,11 @@ def run_pyro_tmc(case: str, mode: str) -> dict:
             param.unconstrained().grad = None
         return value
 
+    return step, loss
+
+
+def run_pyro_tmc(case: str, mode: str) -> dict:
+    step, loss = pyro_tmc_step(case, mode)
     calls, values = [], []
     started = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
@@ -200,8 +214,11 @@ def numpyro_available() -> bool:
     return True
 
 
-def run_numpyro(case: str) -> dict:
-    """The HMM in NumPyro: ``scan`` over steps 1..T-1, ``-log p(y)`` by funsor, one Adam update."""
+def numpyro_step(case: str):
+    """
+    The HMM in NumPyro: ``scan`` over steps 1..T-1, ``-log p(y)`` by funsor, one Adam update,
+    as a step (jit-compiled at its first call) that returns the loss.
+    """
     os.environ["XLA_FLAGS"] = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
     import jax
     import jax.numpy as jnp
@@ -253,31 +270,74 @@ def run_numpyro(case: str) -> dict:
         value, grads = jax.value_and_grad(negative_log_likelihood)(optimizer.get_params(state))
         return optimizer.update(grads, state), value
 
-    start = time.perf_counter()
-    unconstrained = {
-        "transition": to_simplex.inv(jnp.full((NUM_STATES, NUM_STATES), 1.0 / NUM_STATES)),
-        "locs": initial_locs,
-    }
-    state = optimizer.init(unconstrained)
     update = jax.jit(update)
-    state, value = update(state)
-    value.block_until_ready()
+    state = None
+
+    def step() -> float:
+        nonlocal state
+        if state is None:  # the first call: the initial values, then the jit's trace and XLA's compile
+            unconstrained = {
+                "transition": to_simplex.inv(jnp.full((NUM_STATES, NUM_STATES), 1.0 / NUM_STATES)),
+                "locs": initial_locs,
+            }
+            state = optimizer.init(unconstrained)
+        state, value = update(state)
+        return float(value.block_until_ready())
+
+    return step
+
+
+def run_numpyro(case: str) -> dict:
+    step = numpyro_step(case)
+    start = time.perf_counter()
+    value = step()
     first = time.perf_counter() - start
     for _ in range(3):
-        state, loss = update(state)
-        loss.block_until_ready()
+        step()
     seconds = []
     for _ in range(TIMED_STEPS):
         start = time.perf_counter()
-        state, loss = update(state)
-        loss.block_until_ready()
+        step()
         seconds.append(time.perf_counter() - start)
     return {
         "first_steps_s": first,
         "ms_per_step": 1e3 * statistics.median(seconds),
-        "loss": float(value),
+        "loss": value,
         "phases_s": {},
     }
+
+
+# -- the chain's float32 log-depth tree, hand-written ------------------------------------------
+
+
+def tree_step(case: str):
+    """
+    The chain case as ``frontier.py``'s hand-written log-depth tree in float32 (eager, forward and
+    backward; it loses the entries that underflow, which pyro_tmc repairs): the issue's reference.
+    """
+    import torch
+
+    sys.path.insert(0, HERE)
+    import frontier
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    N, K = int(case[len("chain") :]), 32
+    x = torch.tensor(frontier.CHAIN_X)
+    loc, log_scale = (t.clone().requires_grad_() for t in frontier.chain_init(N, x))
+
+    def step() -> float:
+        value = frontier.tree_contract(*frontier.chain_log_factors(x, loc, log_scale, K))
+        value.backward()
+        loc.grad = log_scale.grad = None
+        return value.item()
+
+    return step
+
+
+def reference_mode(case: str) -> str:
+    """The reference a case's interleaved times are divided by: NumPyro's scan, or the chain's tree."""
+    return "numpyro" if case.startswith("hmm") else "tree"
 
 
 # -- the table ------------------------------------------------------------------------------
@@ -285,6 +345,76 @@ def run_numpyro(case: str) -> dict:
 
 def child(case: str, mode: str) -> dict:
     return run_numpyro(case) if mode == "numpyro" else run_pyro_tmc(case, mode)
+
+
+def serve(case: str, mode: str) -> None:
+    """
+    A child of :func:`interleaved`: its first steps (capture and compile), a few more (a graph's
+    timed eager steps), ``ready``; then, for each line ``n`` on stdin, ``n`` steps timed, as JSON.
+    """
+    if mode == "numpyro":
+        step = numpyro_step(case)
+    elif mode == "tree":
+        step = tree_step(case)
+    else:
+        step = pyro_tmc_step(case, mode)[0]
+    for _ in range(2 * FIRST_CALLS):
+        step()
+    print("ready", flush=True)
+    for line in sys.stdin:
+        seconds = []
+        for _ in range(int(line)):
+            start = time.perf_counter()
+            step()
+            seconds.append(time.perf_counter() - start)
+        print(json.dumps(seconds), flush=True)
+
+
+def interleaved(case: str, modes: list[str], rounds: int, steps: int) -> dict[str, list[list[float]]]:
+    """
+    Per-step seconds of each mode, ``rounds`` rounds of ``steps`` steps, the modes in turn within
+    each round: one persistent child per mode (:func:`serve`, cold inductor caches), started
+    together and timed one at a time, so that every mode sees the same machine load.
+    """
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(prefix="first_step_inductor_"))
+    command = [sys.executable, os.path.abspath(__file__), "--serve", case]
+    children = {
+        mode: subprocess.Popen(
+            command + [mode], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+        )
+        for mode in modes
+    }
+    try:
+        for mode, process in children.items():
+            if process.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"{case}, {mode}: the child failed before its first steps were done")
+        times: dict[str, list[list[float]]] = {mode: [] for mode in modes}
+        for _ in range(rounds):
+            for mode, process in children.items():
+                process.stdin.write(f"{steps}\n")
+                process.stdin.flush()
+                times[mode].append(json.loads(process.stdout.readline()))
+        return times
+    finally:
+        for process in children.values():
+            process.kill()
+            process.wait()
+
+
+def interleaved_rows(case: str, modes: list[str], rounds: int, steps: int) -> list[str]:
+    """The rows of :func:`interleaved`: each mode's median step, and the median over rounds of its ratio."""
+    reference = reference_mode(case)
+    modes = [mode for mode in modes if mode not in ("numpyro", "tree")] + [reference]
+    times = interleaved(case, modes, rounds, steps)
+    medians = {mode: [statistics.median(burst) for burst in bursts] for mode, bursts in times.items()}
+    rows = []
+    for mode in modes:
+        ratios = [a / b for a, b in zip(medians[mode], medians[reference])]
+        ms = 1e3 * statistics.median(medians[mode])
+        spread = f"{min(ratios):.2f}-{max(ratios):.2f}"
+        name = "hand-written float32 log-depth tree (eager)" if mode == "tree" else label(mode)
+        rows.append(f"| {case} | {name} | {ms:.2f} | {statistics.median(ratios):.2f} ({spread}) |")
+    return rows
 
 
 def ratios(case: str, results: dict) -> list[str]:
@@ -355,10 +485,29 @@ def main(argv=None) -> None:
     parser.add_argument("--modes", default=",".join(MODES), help=modes_help)
     parser.add_argument("--warm", action="store_true", help="fill inductor's caches with one run first")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per case and mode")
+    parser.add_argument(
+        "--interleaved",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="instead of the first steps: per-step times of the modes and the case's reference "
+        "(NumPyro's scan, the chain's float32 tree), timed in turn in persistent children, ROUNDS rounds",
+    )
+    parser.add_argument("--steps", type=int, default=10, help="steps per mode and round (--interleaved)")
     parser.add_argument("--child", nargs=2, metavar=("CASE", "MODE"), help=argparse.SUPPRESS)
+    parser.add_argument("--serve", nargs=2, metavar=("CASE", "MODE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(child(*args.child)), flush=True)
+        return
+    if args.serve:
+        serve(*args.serve)
+        return
+    if args.interleaved:
+        print("| case | method | ms per step | x reference (range over rounds) |\n|---|---|---:|---:|")
+        for case in args.cases.split(","):
+            rows = interleaved_rows(case, args.modes.split(","), args.interleaved, args.steps)
+            print("\n".join(rows), flush=True)
         return
     notes = []
     modes = args.modes.split(",")
