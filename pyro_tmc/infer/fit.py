@@ -130,7 +130,7 @@ def fit_posterior(
     start = None
     if num_steps and adapt_rounds:
         start = laplace_before_training(
-            model, guide, args, kwargs, adapt_draws, adapt_samples, max_plate_nesting, history
+            model, guide, args, kwargs, adapt_draws, adapt_samples, max_plate_nesting, history, global_samples
         )
     if num_steps and start is None:
         history["losses"] = train(
@@ -260,7 +260,7 @@ def chain_global_samples(model, args, kwargs) -> Optional[int]:
 
 
 def laplace_before_training(
-    model, guide, args, kwargs, draws, num_samples, max_plate_nesting, history: dict
+    model, guide, args, kwargs, draws, num_samples, max_plate_nesting, history: dict, global_samples=None
 ) -> Optional[AdaptiveProposal]:
     """
     The proposal read from the model's Laplace approximation, Newton steps from a fresh
@@ -268,6 +268,7 @@ def laplace_before_training(
     draws' ``log P_TMC`` at most :data:`LAPLACE_TRUSTED_SPREAD`. Then training is skipped, and the
     rounds of adaptation start from it. ``None`` (train first) for any other guide, a model with no
     Laplace approximation, or a wider spread. ``history["laplace_spread"]`` records the spread.
+    ``global_samples``: the globals' K (:func:`chain_global_samples`).
     """
     if not isinstance(guide, AutoNormal) or hasattr(guide, "locs"):  # a guide given, or trained already
         return None
@@ -278,7 +279,7 @@ def laplace_before_training(
         *args,
         init=guide,
         max_plate_nesting=max_plate_nesting,
-        global_samples=history.get("global_samples"),
+        global_samples=global_samples,
         **kwargs,
     )
     # only the joint mode's: a funnel's conditional approximation misses the globals' tails, which

@@ -183,15 +183,31 @@ def drift_model(x):
         pyro.sample(f"x_{t}", dist.Normal(previous, 1.0), obs=x[t])
 
 
-def drift_exact_log_evidence(x: torch.Tensor) -> torch.Tensor:
-    """log p(x) of ``drift_model``: z = B (m, e_0, .., e_{T-1}), a linear map of independent normals."""
-    length = x.shape[-1]
-    maps = torch.zeros(length, length + 1, dtype=x.dtype)
+def _drift_prior(length: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``drift_model``'s z = B (m, e_0, .., e_{T-1}) of independent normals: B and their variances."""
+    maps = torch.zeros(length, length + 1, dtype=dtype)
     maps[0, 0] = maps[0, 1] = 1.0
     for t in range(1, length):
         maps[t] = DRIFT * maps[t - 1]
         maps[t, 0] += 1.0
         maps[t, t + 1] += 1.0
-    variances = torch.tensor([1.0] + [DRIFT_SCALE**2] * length, dtype=x.dtype)
-    cov = maps @ torch.diag(variances) @ maps.T + torch.eye(length, dtype=x.dtype)
+    return maps, torch.tensor([1.0] + [DRIFT_SCALE**2] * length, dtype=dtype)
+
+
+def drift_exact_log_evidence(x: torch.Tensor) -> torch.Tensor:
+    """log p(x) of ``drift_model``."""
+    maps, variances = _drift_prior(x.shape[-1], x.dtype)
+    cov = maps @ torch.diag(variances) @ maps.T + torch.eye(x.shape[-1], dtype=x.dtype)
     return dist.MultivariateNormal(torch.zeros_like(x), cov).log_prob(x)
+
+
+def drift_exact_posterior(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact posterior means and sds of ``drift_model``'s (m, z_0, .., z_{T-1}), given x (float64)."""
+    length = x.shape[-1]
+    maps, variances = _drift_prior(length, torch.float64)
+    latent = torch.cat([torch.eye(1, length + 1, dtype=torch.float64), maps])  # (m, z) from (m, e)
+    prior = latent @ torch.diag(variances) @ latent.T
+    observe = torch.cat([torch.zeros(length, 1), torch.eye(length)], 1).double()  # z out of (m, z)
+    noisy = observe @ prior @ observe.T + torch.eye(length, dtype=torch.float64)
+    gain = prior @ observe.T @ torch.linalg.inv(noisy)
+    return gain @ x.double(), (prior - gain @ observe @ prior).diagonal().sqrt()

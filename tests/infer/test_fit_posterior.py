@@ -206,10 +206,7 @@ def test_a_vectorized_markov_chain_is_fitted_from_its_marginals():
             progress=False,
         )
     mean, sd = exact_walk_posterior(WALK)
-    first, rest = fitted.moments["z_0"], fitted.moments["z_slice(1, 8, None)"]
-    got_mean = torch.cat([first.mean.reshape(1), rest.mean])
-    got_sd = torch.cat([first.stddev.reshape(1), rest.stddev])
-    mean_error = torch.cat([first.mean_error.reshape(1), rest.mean_error])
+    got_mean, got_sd, mean_error = _stacked([fitted.moments["z_0"]], fitted.moments["z_slice(1, 8, None)"])
     # measured: mean errors 0.013-0.054 sd against standard errors 0.025-0.036; sd ratios 0.98-1.02
     assert ((got_mean - mean).abs() <= 4 * mean_error + 0.02 * sd).all(), (got_mean, mean, mean_error)
     assert ((got_sd / sd - 1).abs() <= 0.1).all(), (got_sd, sd)
@@ -224,7 +221,7 @@ def test_a_chain_that_reads_a_global_is_fitted_with_one_globals_particle_per_dra
     exact posterior's, a dense Gaussian.
     """
     pytest.importorskip("funsor")
-    from tests.common.vectorized_chains import DRIFT, DRIFT_SCALE, DRIFT_X, drift_model
+    from tests.common.vectorized_chains import DRIFT_X, drift_exact_posterior, drift_model
 
     x = DRIFT_X.float()
     pyro.clear_param_store()
@@ -243,31 +240,22 @@ def test_a_chain_that_reads_a_global_is_fitted_with_one_globals_particle_per_dra
         progress=False,
     )
     assert fitted.history["global_samples"] == 1
-    # exact: (m, z) = A (m, e) with independent normal (m, e), x = z + unit noise
-    length = len(x)
-    maps = torch.zeros(length + 1, length + 1, dtype=torch.float64)
-    maps[0, 0] = 1.0
-    for t in range(length):
-        maps[t + 1] = DRIFT * maps[t] if t else 0.0
-        maps[t + 1, 0] += 1.0
-        maps[t + 1, t + 1] += 1.0
-    prior = maps @ torch.diag(torch.tensor([1.0] + [DRIFT_SCALE**2] * length, dtype=torch.float64)) @ maps.T
-    observe = torch.cat([torch.zeros(length, 1), torch.eye(length)], 1).double()
-    gain = (
-        prior
-        @ observe.T
-        @ torch.linalg.inv(observe @ prior @ observe.T + torch.eye(length, dtype=torch.float64))
+    mean, sd = drift_exact_posterior(DRIFT_X)
+    got_mean, got_sd, mean_error = _stacked(
+        [fitted.moments["m"], fitted.moments["z_0"]], fitted.moments[f"z_{slice(1, len(x))}"]
     )
-    mean = gain @ DRIFT_X
-    sd = (prior - gain @ observe @ prior).diagonal().sqrt()
-    rest = fitted.moments[f"z_{slice(1, length)}"]
-    sites = [fitted.moments["m"], fitted.moments["z_0"]]
-    got_mean = torch.cat([s.mean.reshape(1) for s in sites] + [rest.mean]).double()
-    got_sd = torch.cat([s.stddev.reshape(1) for s in sites] + [rest.stddev]).double()
-    mean_error = torch.cat([s.mean_error.reshape(1) for s in sites] + [rest.mean_error]).double()
     # measured (seed 0): mean errors 0.06-0.15 sd against standard errors 0.05-0.11; sd ratios 0.95-1.09
     assert ((got_mean - mean).abs() <= 4 * mean_error + 0.02 * sd).all(), (got_mean, mean, mean_error)
     assert ((got_sd / sd - 1).abs() <= 0.15).all(), (got_sd, sd)
+
+
+def _stacked(heads: list, rest) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A chain's means, sds and mean errors: the scalar sites ``heads``, then the later steps' ``rest``."""
+    sites = heads + [rest]
+    return tuple(
+        torch.cat([getattr(s, field).reshape(-1) for s in sites])
+        for field in ("mean", "stddev", "mean_error")
+    )
 
 
 def _draws_with_log_evidences(log_evidences: torch.Tensor) -> list:
