@@ -2,7 +2,13 @@
 
 from pyro_tmc.infer.adaptation import AdaptationRound, adapt
 from pyro_tmc.infer.adaptive_proposal import AdaptiveProposal
-from pyro_tmc.infer.diagnostics import effective_sample_size, khat_threshold, pareto_khat, psis
+from pyro_tmc.infer.diagnostics import (
+    effective_sample_size,
+    family_khat_threshold,
+    khat_threshold,
+    pareto_khat,
+    psis,
+)
 from pyro_tmc.infer.fit import fit_posterior
 from pyro_tmc.infer.iwae_elbo import IWAE_ELBO
 from pyro_tmc.infer.moments import PooledMoments, PosteriorMoments, posterior_moments
@@ -33,6 +39,7 @@ __all__ = [
     "TMC_RWS",
     "adapt",
     "effective_sample_size",
+    "family_khat_threshold",
     "fit_posterior",
     "khat_threshold",
     "pareto_khat",

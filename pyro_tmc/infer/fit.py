@@ -86,7 +86,7 @@ def fit_posterior(
 
         posterior = pyro_tmc.infer.fit_posterior(model, data)
         posterior.moments["theta"].mean, posterior.moments["theta"].mean_error
-        posterior.diagnostics().untrusted     # sites whose weights' k-hat is above 0.7
+        posterior.diagnostics().untrusted     # sites whose weights' k-hat is above its threshold
         samples = posterior.sample(1000)      # for pyro.infer.Predictive
         az.summary(posterior.to_arviz())
 

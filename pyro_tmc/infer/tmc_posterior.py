@@ -10,7 +10,8 @@ of exact joint draws of particle combinations, and reads from them:
 - equal-weight draws for :class:`pyro.infer.Predictive` (:meth:`TMCPosterior.sample`);
 - the held-out predictive log-likelihood (:meth:`TMCPosterior.log_predictive`);
 - diagnostics (:meth:`TMCPosterior.diagnostics`): how many draws carry each site, and the Pareto
-  k-hat of the pooled weights (Vehtari et al. 2024), with a warning naming the sites that fail;
+  k-hat of the pooled weights (Vehtari et al. 2024), with a warning naming the sites that fail (the
+  sites' k-hats against a threshold that allows for how many there are);
 - an ArviZ ``InferenceData`` (:meth:`TMCPosterior.to_arviz`).
 
 The pooled weight of particle k of a site in draw r is ``P_r m_rk`` (``m_rk`` its marginal weight
@@ -19,6 +20,10 @@ to trust it, each with its Pareto k-hat: the ``m_rk`` of a site's particles, ove
 particles carrying their draws: the site's proposal misses its posterior), and the draws' ``P_r`` (a
 few draws carrying the pool: the proposal misses the joint posterior, or K is too small). Above
 the threshold, a few weights carry the estimate and its standard errors cannot be trusted either.
+There is one k-hat of the draws, compared with 0.7, but one per site and plate element (a 30-step
+chain has 30), each an estimate with its own noise: they are compared with
+:func:`~pyro_tmc.infer.diagnostics.family_khat_threshold`, above which the largest of that many passes
+with probability 5% when every true k is at most 0.7.
 """
 
 import math
@@ -31,7 +36,7 @@ import torch
 
 import pyro
 
-from pyro_tmc.infer.diagnostics import effective_sample_size, pareto_khat, psis
+from pyro_tmc.infer.diagnostics import effective_sample_size, family_khat_threshold, pareto_khat, psis
 from pyro_tmc.infer.moments import PosteriorMoments, pool_moments
 from pyro_tmc.infer.posterior import marginals_and_log_estimate
 from pyro_tmc.infer.predictive import (
@@ -46,8 +51,11 @@ from pyro_tmc.ops.resampling import systematic_resample
 from pyro_tmc.poutine.sites import is_summed_exactly, plate_nesting, structure_trace
 
 #: k-hat above this says "do not trust" (the PSIS paper's bound for any sample size: beyond it the
-#: importance ratios' variance is infinite in all but name, and more draws barely help)
+#: importance ratios' variance is infinite in all but name, and more draws barely help); the draws'
+#: k-hat is compared with it, the sites' with :func:`family_khat_threshold` from it
 KHAT_LIMIT = 0.7
+#: the probability that the sites' k-hats flag a posterior whose true k is at most 0.7 everywhere
+SITE_FALSE_ALARM = 0.05
 #: the draws' own k-hat needs more than this many draws (below it the tail holds 4 or fewer: no fit)
 MIN_DRAWS_FOR_KHAT = 20
 
@@ -99,15 +107,22 @@ class Diagnostics(NamedTuple):
     How far a :class:`TMCPosterior` can be trusted (:meth:`TMCPosterior.diagnostics`).
 
     :ivar dict site_khat: particle site -> the Pareto k-hat of its particles' marginal weights within
-        their draws, over all draws (the worst plate element's).
+        their draws, over all draws (the worst plate element's). Not adjusted: the raw estimate.
     :ivar dict effective_samples: particle site -> the effective number of its pooled particles
         ``(sum w)^2 / sum w^2`` (the worst plate element's).
     :ivar float khat_draws: the k-hat of the R draws' ``P_TMC`` (NaN for 20 draws or fewer: too few for a
         tail fit).
     :ivar float effective_draws: ``(sum P)^2 / sum P^2`` over the draws: how many carry the result.
     :ivar float khat: the overall k-hat, the largest of the above.
-    :ivar float threshold: the k-hat above which a site is not trusted.
-    :ivar list untrusted: the sites whose k-hat exceeds ``threshold`` (``"<draws>"`` for the draws').
+    :ivar float threshold: the k-hat above which the draws' k-hat is not trusted (0.7).
+    :ivar list untrusted: the sites whose k-hat exceeds their ``site_threshold`` (``"<draws>"`` where the
+        draws' exceeds ``threshold``).
+    :ivar dict site_threshold: particle site -> the k-hat above which it is not trusted:
+        :func:`~pyro_tmc.infer.diagnostics.family_khat_threshold` of its weights' count, over
+        ``num_tests`` k-hats at ``false_alarm``.
+    :ivar int num_tests: how many k-hats the sites' thresholds allow for (every plate element of every
+        particle site).
+    :ivar float false_alarm: the probability that any site is flagged when every true k is at most 0.7.
     """
 
     site_khat: dict[str, float]
@@ -117,6 +132,9 @@ class Diagnostics(NamedTuple):
     khat: float
     threshold: float
     untrusted: list[str]
+    site_threshold: dict[str, float] = {}
+    num_tests: int = 0
+    false_alarm: float = SITE_FALSE_ALARM
 
 
 class TMCPosterior:
@@ -129,7 +147,7 @@ class TMCPosterior:
         posterior = fit_posterior(model, data)
         posterior.moments["theta"].mean, posterior.moments["theta"].mean_error
         Predictive(model, posterior_samples=posterior.sample(1000))(data)
-        posterior.diagnostics().untrusted          # [] when every k-hat is below 0.7
+        posterior.diagnostics().untrusted          # [] when no k-hat is above its threshold
         az.summary(posterior.to_arviz())
 
     :param callable model: the Pyro model.
@@ -316,21 +334,34 @@ class TMCPosterior:
 
     # -- diagnostics ----------------------------------------------------------------------------
 
-    def diagnostics(self, warn: bool = True) -> Diagnostics:
+    def diagnostics(self, warn: bool = True, false_alarm: float = SITE_FALSE_ALARM) -> Diagnostics:
         """
         Effective sample sizes and Pareto k-hats of the pooled weights, per particle site and over
-        the draws; with ``warn``, a warning naming every site above the threshold (:data:`KHAT_LIMIT`),
-        and one when there are too few draws (:data:`MIN_DRAWS_FOR_KHAT` or fewer) for the draws' own
-        k-hat, the one check that sees a proposal whose particles all miss the posterior together.
+        the draws; with ``warn``, a warning naming every site above its threshold, and one when there
+        are too few draws (:data:`MIN_DRAWS_FOR_KHAT` or fewer) for the draws' own k-hat, the one check
+        that sees a proposal whose particles all miss the posterior together.
 
+        The draws' k-hat is one estimate, compared with :data:`KHAT_LIMIT`. The sites' are many (one
+        per plate element of every particle site), and the largest of many noisy estimates of a true
+        k = 0.7 lies above 0.7 nearly always: a site is flagged when its k-hat exceeds
+        :func:`~pyro_tmc.infer.diagnostics.family_khat_threshold` (0.7 plus the allowance for the
+        largest of that many, about 0.26 for 30 k-hats of 400 draws of 32 particles), so that a
+        posterior whose true k is at most 0.7 everywhere is flagged with probability ``false_alarm``.
+
+        :param bool warn: warn of untrusted sites and of too few draws.
+        :param float false_alarm: the sites' family-wise false-alarm probability.
         :rtype: Diagnostics
         """
-        khat, effective = {}, {}
+        khat, effective, counts, elements = {}, {}, {}, 0
         for name in self.draws[0].log_weights:
             # each draw's particles weighted within their draw (not times P_r: the draws' spread is the
             # draws' own k-hat below, and mixing it in makes the tail a few draws' clusters)
             within = torch.cat([draw.log_weights[name] for draw in self.draws], -1)
-            khat[name] = float(pareto_khat(within, dim=-1).nan_to_num(nan=0.0).max())
+            site_khat = pareto_khat(within, dim=-1).nan_to_num(nan=0.0)
+            khat[name] = float(site_khat.max())
+            counts[name] = within.shape[-1]
+            if self.draws[0].log_weights[name].shape[-1] > 1:  # one particle a draw: no tail to test
+                elements += site_khat.numel()
             pooled = torch.cat(
                 [
                     draw.log_weights[name] + weight
@@ -339,6 +370,7 @@ class TMCPosterior:
                 -1,
             )
             effective[name] = float(effective_sample_size(pooled, dim=-1).min())
+        limits = {name: family_khat_threshold(count, elements, false_alarm) for name, count in counts.items()}
         khat_draws = (
             float(pareto_khat(self.log_evidences, dim=-1))
             if len(self.draws) > MIN_DRAWS_FOR_KHAT
@@ -348,18 +380,11 @@ class TMCPosterior:
         overall = max(
             [value for value in [*khat.values(), khat_draws] if not math.isnan(value)], default=math.nan
         )
-        untrusted = [name for name, value in khat.items() if value > KHAT_LIMIT]
+        untrusted = [name for name, value in khat.items() if value > limits[name]]
         if khat_draws > KHAT_LIMIT:
             untrusted.append("<draws>")
         if warn and untrusted:
-            values = {name: round(khat.get(name, khat_draws), 2) for name in untrusted}
-            warnings.warn(
-                f"TMCPosterior: the importance weights of {untrusted} have Pareto k-hat above {KHAT_LIMIT} "
-                f"({values}): a few particles carry "
-                "these estimates, and their standard errors are unreliable. Fit with more adaptation rounds "
-                "(adapt_rounds=), a larger read-out K (readout_samples=) or more draws (num_draws=).",
-                stacklevel=2,
-            )
+            self._warn_untrusted(untrusted, khat, khat_draws, limits, elements, false_alarm)
         if warn and math.isnan(khat_draws):
             warnings.warn(
                 f"TMCPosterior: {len(self.draws)} draws are too few for the draws' k-hat (it needs more than "
@@ -369,7 +394,35 @@ class TMCPosterior:
                 "it.",
                 stacklevel=2,
             )
-        return Diagnostics(khat, effective, khat_draws, effective_draws, overall, KHAT_LIMIT, untrusted)
+        return Diagnostics(
+            khat,
+            effective,
+            khat_draws,
+            effective_draws,
+            overall,
+            KHAT_LIMIT,
+            untrusted,
+            limits,
+            elements,
+            false_alarm,
+        )
+
+    @staticmethod
+    def _warn_untrusted(untrusted, khat, khat_draws, limits, elements, false_alarm) -> None:
+        """The warning naming the untrusted sites, each k-hat beside the threshold it passed."""
+        values = {
+            name: f"{khat[name]:.2f} > {limits[name]:.2f}" if name in khat else f"{khat_draws:.2f} > 0.7"
+            for name in untrusted
+        }
+        warnings.warn(
+            f"TMCPosterior: the importance weights of {untrusted} have Pareto k-hat above their threshold "
+            f"({values}; a site's is {KHAT_LIMIT} plus the allowance for the largest of {elements} noisy "
+            f"k-hats, passed with probability {false_alarm:g} if every true k were {KHAT_LIMIT}): a few "
+            "particles carry these estimates, and their standard errors are unreliable. Fit with more "
+            "adaptation rounds (adapt_rounds=), a larger read-out K (readout_samples=) or more draws "
+            "(num_draws=).",
+            stacklevel=3,
+        )
 
     # -- export -------------------------------------------------------------------------------
 
