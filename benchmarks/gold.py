@@ -49,7 +49,11 @@ sd off it (sds within 0.3%), with unknown scales it is off by 0.26 gold sd.
 
 The table (``--out``, default ``benchmarks/results/gold.md``) is rewritten after every (model, method), so a
 killed run keeps its rows; the plot of error against wall time goes to ``--figure``
-(default ``docs/figures/gold.png``; ``--plot-only`` redraws it from the table).
+(default ``docs/figures/gold.png``; ``--plot-only`` redraws it from the table). ``--rescore`` rebuilds
+the table at ``--out`` from its stored rows, no fit rerun: each tmc row's "NUTS to same error" from the
+stored NUTS timelines (NUTS runs on the first seed; the other seeds read it, and say so) and its k-hat
+flag under fit_posterior's diagnostics (:func:`pyro_tmc.infer.family_khat_threshold` for the sites),
+from the k-hats the row's note stored.
 
 The current figures, with the command that reproduces them, are in ``docs/posterior.md``.
 """
@@ -59,6 +63,7 @@ import importlib
 import json
 import math
 import os
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -82,7 +87,8 @@ from pyro.infer.autoguide import (
 )
 
 from pyro_tmc import IWAE_ELBO, QEM, TMC_ELBO, TMC_RWS, QEMGuide
-from pyro_tmc.infer import fit_posterior, posterior_moments
+from pyro_tmc.infer import family_khat_threshold, fit_posterior, posterior_moments
+from pyro_tmc.poutine.sites import structure_trace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gold_chain  # noqa: E402  (beside this file: the chain models' fast forms)
@@ -496,12 +502,20 @@ def run_fit_posterior(problem: Problem, settings: Settings, progress):
     diagnostics = posterior.diagnostics(warn=False)
     worst = max(diagnostics.site_khat, key=diagnostics.site_khat.get)
     average, worst_error = posterior.history["mean_error_quantiles"]
+    limit = site_limit_note(diagnostics.site_threshold[worst], diagnostics.num_tests)
     note = (
         f"k-hat {diagnostics.khat:.2f} (worst site {worst}: {diagnostics.site_khat[worst]:.2f}; "
-        f"draws {diagnostics.khat_draws:.2f}); eff. draws {diagnostics.effective_draws:.1f}; "
+        f"draws {diagnostics.khat_draws:.2f}); {limit}; "
+        f"eff. draws {diagnostics.effective_draws:.1f}; "
         f"{posterior.history['readout_draws']} draws, MC error (95%) {average:.3f} / {worst_error:.3f}"
     )
-    return site_moments_to_gym(problem, moments), note, {"khat": diagnostics.khat}
+    extras = {"khat": diagnostics.khat, "flagged": bool(diagnostics.untrusted)}
+    return site_moments_to_gym(problem, moments), note, extras
+
+
+def site_limit_note(limit: float, num_tests: int) -> str:
+    """The note's words for the sites' k-hat threshold (:func:`pyro_tmc.infer.family_khat_threshold`)."""
+    return f"site limit {limit:.2f} ({num_tests} k-hats)"
 
 
 # -- the exact posterior where it is known -----------------------------------------------------
@@ -768,6 +782,7 @@ def run(
     row = dict(errors(problem, estimate), model=model, method=method, seed=seed, seconds=seconds, note=note)
     row["setup"] = describe(method, settings)
     row["khat"] = extras.get("khat", math.nan)
+    row["flagged"] = extras.get("flagged")
     if problem.exact is not None:  # the exact posterior is known: the error against it too
         exact = errors(problem._replace(gold=problem.exact()), estimate)
         row.update({f"exact_{name}": value for name, value in exact.items()})
@@ -827,12 +842,23 @@ def nuts_time_to(row: dict, rows: Sequence[dict]) -> str:
     ]
     if not timelines or row["method"] == "nuts" or not math.isfinite(row["mean_error"]):
         return ""
-    timeline = next((r for r in timelines if r["seed"] == row["seed"]), timelines[0])["timeline"]
+    chosen = next((r for r in timelines if r["seed"] == row["seed"]), timelines[0])
+    timeline = chosen["timeline"]
+    # another seed's timeline (NUTS runs on the first seed only) is named
+    which = "" if chosen["seed"] == row["seed"] else f" (seed {chosen['seed']})"
     for point in timeline:
         if point["mean_error"] <= row["mean_error"] and point["sd_error"] <= row["sd_error"]:
-            return f"{point['seconds']:.0f}"
-    return f"> {timeline[-1]['seconds']:.0f}"
+            return f"{point['seconds']:.0f}{which}"
+    return f"> {timeline[-1]['seconds']:.0f}{which}"
 
+
+#: the table's words on its k-hat column
+KHAT_HEADER = (
+    'k-hat: the largest Pareto k-hat of fit_posterior\'s diagnostics, "flagged" where they do not trust '
+    "the row: the draws' k-hat above 0.7, or a site's above the site limit in the note "
+    "(`family_khat_threshold`: 0.7 plus the allowance for the largest of that many k-hats, so that a "
+    "posterior whose true k is at most 0.7 everywhere is flagged with probability 5%)."
+)
 
 #: the comment line of a written table that holds NUTS's timelines (JSON)
 TIMELINE_MARK = "<!-- NUTS timelines: "
@@ -870,7 +896,7 @@ def table(rows: Sequence[dict], all_rows: Optional[Sequence[dict]] = None) -> st
             f"{row['mean_error']:.3f} / {row['mean_error_worst']:.3f}",
             f"{row['sd_error']:.3f} / {row['sd_error_worst']:.3f}",
             f"{row['sd_ratio_min']:.2f}-{row['sd_ratio_max']:.2f}",
-            f"{row['khat']:.2f}" if math.isfinite(row.get("khat", math.nan)) else "",
+            khat_cell(row),
             met,
             row["note"],
         )
@@ -878,13 +904,21 @@ def table(rows: Sequence[dict], all_rows: Optional[Sequence[dict]] = None) -> st
     return "\n".join(lines) + "\n"
 
 
+def khat_cell(row: dict) -> str:
+    """The largest k-hat, and "flagged" where fit_posterior's diagnostics do not trust the row."""
+    if not math.isfinite(row.get("khat", math.nan)):
+        return ""
+    return f"{row['khat']:.2f}" + (" (flagged)" if row.get("flagged") else "")
+
+
 def write_table(rows: Sequence[dict], path: str, command: str) -> None:
     header = (
         "# Posteriors against Inference Gym's gold (benchmarks/gold.py)\n\n"
         f"`{command}`; 1 torch thread. Mean error in gold sds; targets: mean error 0.02 avg / 0.1 worst, "
         'abs(sd ratio - 1) 0.03 avg / 0.1 worst. "NUTS to same error": the wall time at which NUTS\'s '
-        "timeline (its error at 10, 20, 40, ... draws) first reached the row's average mean and sd errors. "
-        "k-hat: the largest Pareto k-hat of fit_posterior's diagnostics (above 0.7: do not trust).\n\n"
+        "timeline (its error at 10, 20, 40, ... draws) first reached the row's average mean and sd errors "
+        "(NUTS runs on the first seed; another seed's row reads it, named). "
+        f"{KHAT_HEADER}\n\n"
     )
     timelines = [
         dict(point, model=row["model"], seed=row["seed"]) for row in rows for point in row["timeline"]
@@ -901,15 +935,15 @@ def read_table(path: str) -> list[dict]:
         for line in handle:
             cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
             if len(cells) == len(COLUMNS) and cells[0] in PROBLEMS and cells[1] in METHODS:
-                mean_error = float(cells[6].split("/")[0])
-                seconds = float(cells[4])
                 rows.append(
                     dict(
                         model=cells[0],
                         method=cells[1],
                         seed=int(cells[2]),
-                        seconds=seconds,
-                        mean_error=mean_error,
+                        seconds=_number(cells[4]),
+                        mean_error=_number(cells[6].split("/")[0]),
+                        sd_error=_number(cells[7].split("/")[0]),
+                        cells=cells,
                     )
                 )
     with open(path) as handle:
@@ -921,6 +955,92 @@ def read_table(path: str) -> list[dict]:
             for p in points
             if row["method"] == "nuts" and (p["model"], p["seed"]) == (row["model"], row["seed"])
         ]
+    return rows
+
+
+def _number(cell: str) -> float:
+    """A table cell's number (NaN where a failed row left it empty or "nan")."""
+    try:
+        return float(cell)
+    except ValueError:
+        return math.nan
+
+
+#: fit_posterior's read-out K and most draws (its defaults, which :data:`FIT` keeps): what a stored row's
+#: site k-hats were fitted to, where its note does not say
+READOUT_K, READOUT_MAX_DRAWS = 32, 400
+
+
+def num_khat_tests(model: str) -> int:
+    """
+    How many k-hats fit_posterior's diagnostics compare on ``model``: every plate element of every latent
+    site (its ``num_tests``; an upper bound where a vectorized chain's globals have one particle a draw).
+    """
+    problem = PROBLEMS[model]()
+    trace = structure_trace(problem.model, tuple(problem.args), {})
+    return sum(
+        site["fn"].batch_shape.numel()
+        for site in trace.nodes.values()
+        if site["type"] == "sample" and not site["is_observed"] and hasattr(site["fn"], "batch_shape")
+    )
+
+
+def rescored_flag(cells: Sequence[str], num_tests: int) -> tuple[Optional[bool], str]:
+    """
+    Whether a stored tmc row's diagnostics flag it under the sites' family-wise threshold, from the
+    k-hats its note stored (the worst site's and the draws'), and its site limit note (``""`` where the
+    note has one already). ``None`` where the note holds only the largest k-hat and it lies between 0.7
+    and the site limit (then only the draws' k-hat, not stored, would tell).
+    """
+    note, khat = cells[-1], _number(cells[COLUMNS.index("k-hat")].split()[0] or "nan")
+    stored = re.search(r"site limit ([\d.]+) \((\d+) k-hats", note)
+    if stored:
+        limit, extra = float(stored[1]), ""
+    else:
+        draws = re.search(r"(\d+) draws, MC error", note)
+        num_draws = int(draws[1]) if draws else READOUT_MAX_DRAWS
+        limit = family_khat_threshold(num_draws * READOUT_K, num_tests)
+        assumed = "" if draws else f", {READOUT_MAX_DRAWS} draws assumed"
+        extra = f"{site_limit_note(limit, num_tests)[:-1]}, rescored{assumed})"
+    split = re.search(r"worst site \S+: (\S+); draws (\S+)\)", note)
+    if split:
+        return float(split[1]) > limit or float(split[2]) > 0.7, extra
+    if not math.isfinite(khat):
+        return None, extra
+    return (False if khat <= 0.7 else True if khat > max(limit, 0.7) else None), extra
+
+
+def rescore(path: str) -> list[dict]:
+    """
+    Rebuild the table at ``path`` from its stored rows, no fit rerun: every tmc row's "NUTS to same
+    error" from the stored timelines (:func:`nuts_time_to`) and its k-hat flag under the sites'
+    family-wise threshold (:func:`rescored_flag`). The page's other lines are kept as they are.
+    """
+    rows = read_table(path)
+    tests = {
+        model: num_khat_tests(model) for model in {row["model"] for row in rows if row["method"] == "tmc"}
+    }
+    rebuilt = {}
+    for row in rows:
+        cells = list(row["cells"])
+        if row["method"] == "tmc":
+            cells[COLUMNS.index("NUTS to same error (s)")] = nuts_time_to(row, rows)
+            flagged, extra = rescored_flag(cells, tests[row["model"]])
+            khat = cells[COLUMNS.index("k-hat")].split()[0] if cells[COLUMNS.index("k-hat")] else ""
+            if khat:
+                suffix = {True: " (flagged)", False: "", None: " (?)"}[flagged]
+                cells[COLUMNS.index("k-hat")] = khat + suffix
+            if extra:
+                cells[-1] += "; " + extra
+        rebuilt[tuple(row["cells"])] = "| " + " | ".join(cells) + " |"
+    with open(path) as handle:
+        lines = handle.read().splitlines()
+    out = []
+    for line in lines:
+        cells = tuple(cell.strip() for cell in line.strip().strip("|").split("|"))
+        out.append(rebuilt.get(cells, line))
+    with open(path, "w") as handle:
+        handle.write("\n".join(out) + "\n")
     return rows
 
 
@@ -989,12 +1109,20 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--figure", default=os.path.join(HERE, "..", "docs", "figures", "gold.png"))
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--plot-only", action="store_true", help="redraw --figure from the table at --out")
+    parser.add_argument(
+        "--rescore",
+        action="store_true",
+        help="rebuild the table at --out from its stored rows (NUTS to same error, k-hat flags); no fit",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the targets are stated for 1)")
     parser.add_argument("--timeline", help="JSON lines: NUTS's error at each checkpoint, appended")
     args = parser.parse_args(argv)
     if args.plot_only:
         plot(read_table(args.out), args.figure)
         return []
+    if args.rescore:
+        gym_module("version")  # the models' data: num_khat_tests traces them
+        return rescore(args.out)
     gym_module("version")  # fail early, with the install line
     torch.set_num_threads(args.threads)  # a script's choice: timings per thread, as the targets are stated
     command = "python benchmarks/gold.py " + " ".join(argv if argv is not None else sys.argv[1:])

@@ -30,6 +30,7 @@ PUBLIC = {
         "TMC_RWS",
         "adapt",
         "effective_sample_size",
+        "family_khat_threshold",
         "fit_posterior",
         "khat_threshold",
         "pareto_khat",

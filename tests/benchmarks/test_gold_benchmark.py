@@ -183,3 +183,44 @@ def test_quick_nuts_logs_its_timeline(fresh_pyro, tmp_path):
     assert benchmark.nuts_time_to(tmc, [nuts, tmc]) != ""
     rows = benchmark.read_table(str(tmp_path / "gold.md"))
     assert [row["method"] for row in rows] == ["nuts", "tmc"] and rows[0]["timeline"]
+
+
+def test_rescore_fills_nuts_time_and_flags_from_stored_rows(tmp_path):
+    """
+    ``--rescore`` rebuilds a stored table without fitting: each tmc row's time for NUTS to reach its
+    error (from the stored timeline, another seed's named) and its flag under the sites' family-wise
+    k-hat limit, from the k-hats the note stored; the page's other lines are kept.
+    """
+    pytest.importorskip("inference_gym.targets.ground_truth.eight_schools")
+    benchmark = _load()
+    base = dict(mean_error_worst=0.1, sd_error_worst=0.1, sd_ratio_min=0.9, sd_ratio_max=1.1, khat=math.nan)
+    timeline = [
+        dict(mean_error=0.2, sd_error=0.2, seconds=10.0, draws=10),
+        dict(mean_error=0.05, sd_error=0.05, seconds=20.0, draws=20),
+    ]
+    nuts = dict(base, model="eight_schools", method="nuts", seed=0, seconds=20.0, note="n", setup="s")
+    nuts.update(mean_error=0.05, sd_error=0.05, timeline=timeline)
+    notes = {
+        0.9: "k-hat 0.90 (worst site school_effects: 0.90; draws 0.10); 400 draws, MC error",
+        1.2: "k-hat 1.20 (worst site school_effects: 1.20; draws 0.10); 400 draws, MC error",
+    }
+    tmc = [
+        dict(base, model="eight_schools", method="tmc", seed=seed, seconds=5.0, note=notes[khat], setup="s")
+        for seed, khat in ((0, 0.9), (1, 1.2))
+    ]
+    for row, error in zip(tmc, (0.1, 0.01)):
+        row.update(mean_error=error, sd_error=error, khat=float(row["note"].split()[1]), timeline=[])
+    path = tmp_path / "gold.md"
+    benchmark.write_table([*tmc, nuts], str(path), "python benchmarks/gold.py")
+    before = path.read_text().splitlines()
+    benchmark.rescore(str(path))
+    after = path.read_text().splitlines()
+    assert after[:4] == before[:4] and after[-1] == before[-1]  # header and timelines kept
+    first, second = (line.split(" | ") for line in after[6:8])
+    # eight schools has 10 k-hats: the limit for 400 draws of 32 particles is 0.92
+    limit = benchmark.family_khat_threshold(400 * 32, 10)
+    assert 0.9 < limit < 1.2
+    assert first[5] == "20" and first[9] == "0.90" and f"site limit {limit:.2f} (10 k-hats" in first[-1]
+    assert second[5] == "> 20 (seed 0)" and second[9] == "1.20 (flagged)"
+    benchmark.rescore(str(path))  # idempotent: the note's limit is read back
+    assert path.read_text().splitlines() == after
