@@ -135,7 +135,7 @@ def family_khat_threshold(
     independent k-hats, conservative for positively dependent ones (k-hats of one set of draws).
     ``num_tests = 1`` gives a one-sided test of one k-hat at level ``false_alarm``; the allowance
     grows like ``sqrt(2 log n)`` standard errors. With K = 32 particles and 400 draws (M = 340,
-    se 0.090), the threshold is 0.84 for 1 k-hat, 0.96 for 32 and 1.04 for 500.
+    se 0.090), the threshold is 0.84 for 1 k-hat, 0.96 for 32 and 1.03 for 500.
 
     The cost is power: a single element whose true k is just above 0.7 is found less often than by
     ``k-hat > 0.7`` (which, over 30 elements at k = 0.7, flags nearly always: the largest of 30
