@@ -293,6 +293,9 @@ class AdaptiveProposal:
         self.chain_links: dict[str, ChainLink] = _chain_links(trace, self.layouts, local_names)
         self.global_proposal: Optional[GlobalProposal] = None
         self.local_proposals: dict[str, LocalProposal] = {}
+        #: where set, a chain's proposal at each globals draw, read from its Laplace approximation given
+        #: them (:mod:`pyro_tmc.infer.chain_conditional`), in place of its constant one
+        self.chain_conditional = None
         if init is not None:
             self._start_from_auto_normal(init, df)
         else:
@@ -564,12 +567,19 @@ class AdaptiveProposal:
             if self.global_samples:
                 infer["num_samples"] = self.global_samples
             globals_flat = pyro.sample(GLOBALS_SITE, self.global_proposal.distribution(), infer=infer)
+        chain_parameters = {}
+        conditional = getattr(self, "chain_conditional", None)  # None on a proposal pickled before it
+        if conditional is not None and globals_flat.numel() == self.num_globals:
+            # one globals particle: the chain's proposal given it (None where it has no concave conditional)
+            parameters = conditional.parameters(globals_flat)
+            if parameters is not None:
+                chain_parameters[conditional.site] = parameters
         covered = set(self.covered)
         # Validation off: the model runs here only to place the covered sites' draws; what it computes
         # from sites nobody proposes (a vectorized_markov chain's previous steps, drawn from their
         # prior) is never scored, and a prior draw can reach a scale of 0.0 that a constraint rejects.
         # The model's own run under TMC validates every value it scores.
-        with ProposalMessenger(self, globals_flat), pyro.validation_enabled(False):
+        with ProposalMessenger(self, globals_flat, chain_parameters), pyro.validation_enabled(False):
             poutine.block(self.model, hide_fn=lambda msg: msg["name"] not in covered)(*args, **kwargs)
 
     def global_value(self, layout: SiteLayout, globals_flat: torch.Tensor) -> dist.Delta:
@@ -588,9 +598,20 @@ class AdaptiveProposal:
         log_density = sum_rightmost(log_density, event_dim - layout.transform.codomain.event_dim)
         return dist.Delta(value, log_density=log_density, event_dim=event_dim)
 
-    def chain_distribution(self, layout: SiteLayout, first_value: torch.Tensor) -> ChainProposal:
-        """A chain's later steps that follow the step before, from the first step's particles' values."""
+    def chain_distribution(
+        self, layout: SiteLayout, first_value: torch.Tensor, parameters=None
+    ) -> ChainProposal:
+        """
+        A chain's later steps that follow the step before, from the first step's particles' values;
+        ``parameters`` (a :class:`~pyro_tmc.infer.chain_conditional.ChainParameters`): in place of
+        the site's constant intercepts, coefficients and scales.
+        """
         proposal = self.local_proposals[layout.name]
+        if parameters is not None:
+            dtype = proposal.intercept.dtype
+            proposal = LocalProposal(
+                parameters.intercept.to(dtype), parameters.coefficient.to(dtype), parameters.scale.to(dtype)
+            )
         first_layout = self.layouts[self.chain_links[layout.name].first]
         first = first_layout.unconstrained(first_value).reshape(-1)
         if first.numel() != max(first_value.shape, default=1):
@@ -628,10 +649,13 @@ class ProposalMessenger(Messenger):
     the later sites' proposals are conditioned on.
     """
 
-    def __init__(self, proposal: AdaptiveProposal, globals_flat: Optional[torch.Tensor]) -> None:
+    def __init__(
+        self, proposal: AdaptiveProposal, globals_flat: Optional[torch.Tensor], chain_parameters=None
+    ) -> None:
         super().__init__()
         self.proposal = proposal
         self.globals_flat = globals_flat
+        self.chain_parameters = chain_parameters or {}
         self.layouts = proposal.layouts
         self.is_global = {layout.name for layout in proposal.globals}
         self.values: dict[str, torch.Tensor] = {}
@@ -652,7 +676,9 @@ class ProposalMessenger(Messenger):
         local = self.proposal.local_proposals[layout.name]
         if local.follows_previous and local.coefficients is not None:
             first = self.values[self.proposal.chain_links[layout.name].first]
-            msg["fn"] = self.proposal.chain_distribution(layout, first)
+            msg["fn"] = self.proposal.chain_distribution(
+                layout, first, self.chain_parameters.get(layout.name)
+            )
             return
         msg["fn"] = self.proposal.local_distribution(layout, self._regressors(layout))
 

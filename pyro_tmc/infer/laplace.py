@@ -528,6 +528,67 @@ def _by_site(band: ChainBand, members: torch.Tensor):
         yield band.steps[mine][order], mine[order]
 
 
+class LogJoint:
+    """
+    :func:`log_joint` of ``model`` in ``proposal``'s coordinates, as a function of them alone, with the
+    Hessian's sparsity (``band``: a :class:`ChainBand`, or ``None``) that :func:`_derivatives` reads.
+    """
+
+    def __init__(
+        self, model: Callable, proposal, args: tuple, kwargs: dict, band: Optional[ChainBand]
+    ) -> None:
+        self.model, self.proposal, self.args, self.kwargs, self.band = model, proposal, args, kwargs, band
+
+    def __call__(self, u: torch.Tensor) -> torch.Tensor:
+        return log_joint(self.model, self.proposal, u, self.args, self.kwargs)
+
+
+def chain_derivatives(log_density: LogJoint, point: torch.Tensor):
+    """
+    The gradient and the tridiagonal Hessian in the locals' coordinates of a proposal whose locals
+    are one chain's later steps (its :class:`ChainBand`, ``log_density.band``), and the Hessian's
+    entry between the first later step and the chain's first step (the step before it, a global):
+    one backward pass for the gradient and one Hessian-vector product per colour (3), no column per
+    global. Every row of the chain meets the one member of a colour next to it, so the colour's
+    product holds, at a member's row, its diagonal entry, and at the row before a member, the entry
+    between the two. ``None`` where the model rejects the point or a derivative is not finite.
+
+    :returns: ``(gradient, diagonal, above, couplings)``: the locals' gradient and the diagonal of
+        their Hessian, ``(n,)`` each, its first superdiagonal ``(n - 1,)``, and, per global, the sum of
+        its entries with the members of the first later step's colour, ``(G,)``: the entry with the
+        first later step alone for the chain's first step (which meets no other later step), not for
+        a global that meets every step (a chain's persistence).
+    """
+    band = log_density.band
+    chain = band.colours >= 0
+    first = int(chain.nonzero()[0])  # the first later step's coordinate (the globals' come first)
+    u = point.clone().requires_grad_(True)
+    with torch.enable_grad():
+        try:
+            value = log_density(u)
+        except (ValueError, RuntimeError):
+            return None
+        (gradient,) = torch.autograd.grad(value, u, create_graph=True)
+        n = len(u)
+        diagonal, above = torch.zeros(n, dtype=u.dtype), torch.zeros(n, dtype=u.dtype)
+        coupling = torch.zeros(n, dtype=u.dtype)
+        for colour in band.colours[chain].unique().tolist():
+            members = band.colours == colour
+            (product,) = torch.autograd.grad(gradient, u, grad_outputs=members.to(u.dtype), retain_graph=True)
+            product = product.detach()
+            diagonal[members] = product[members]
+            before = torch.zeros_like(members)
+            before[:-1] = members[1:] & chain[:-1]  # rows whose next coordinate is a member
+            above[before] = product[before]
+            if members[first]:
+                coupling = product  # the globals' rows: their entries with the first later step
+    gradient, diagonal, above = gradient.detach()[chain], diagonal[chain], above[chain][:-1]
+    sums = float(gradient.sum()) + float(diagonal.sum()) + float(above.sum())
+    if not (math.isfinite(float(value.detach())) and math.isfinite(sums)):
+        return None
+    return gradient, diagonal, above, coupling[~chain]
+
+
 def log_joint(model: Callable, proposal, u: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
     """
     The model's log joint density at unconstrained coordinates ``u`` (shape ``(N,)``), with each

@@ -100,12 +100,12 @@ def precision_factor(matrix: torch.Tensor) -> Optional[Factor]:
     # a count of the non-zeros, no copy of the matrix: every one of them on the three diagonals
     banded = torch.count_nonzero(diagonal) + 2 * torch.count_nonzero(offdiagonal)
     if n > 2 and int(torch.count_nonzero(matrix)) == int(banded):
-        return _tridiagonal_factor(diagonal, offdiagonal)
+        return tridiagonal_factor(diagonal, offdiagonal)
     lower, info = torch.linalg.cholesky_ex(matrix)
     return DenseFactor(lower) if info == 0 else None
 
 
-def _tridiagonal_factor(diagonal: torch.Tensor, offdiagonal: torch.Tensor) -> Optional[TridiagonalFactor]:
+def tridiagonal_factor(diagonal: torch.Tensor, offdiagonal: torch.Tensor) -> Optional[TridiagonalFactor]:
     """``d[i] = sqrt(a[i] - e[i-1]^2)``, ``e[i] = b[i] / d[i]``; ``None`` at a pivot that is not positive."""
     a, b = diagonal.tolist(), offdiagonal.tolist()
     d, e = [0.0] * len(a), [0.0] * len(b)
