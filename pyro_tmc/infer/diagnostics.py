@@ -13,7 +13,9 @@ k-hat is itself an estimate, with a sampling error of about ``(1 + k) / sqrt(M)`
 draws it fits (:func:`khat_standard_error`). One k-hat is compared with the threshold as it is; many of
 them (a k-hat per site and plate element) are compared with :func:`family_khat_threshold`, which allows
 for the largest of ``n`` noisy estimates, so that weights whose true ``k`` is at most the threshold
-everywhere are flagged with a chosen probability (5%) whatever ``n``.
+everywhere are flagged with a chosen probability (5%) whatever ``n``. Where the weights come in groups
+that differ (TMC draws), k-hat varies more than that formula says, and
+:func:`bootstrap_khat_standard_error` measures it.
 
 Replacing the largest weights by the fitted distribution's quantiles (the "smoothing") lowers the
 estimate's variance at a small bias. The functions take any batch shape, the weights lying along
@@ -39,10 +41,13 @@ References:
   72(1), 67-90 (the generalized Pareto shape's asymptotic variance ``(1 + k)^2 / M``).
 - Z. Sidak (1967), "Rectangular confidence regions for the means of multivariate normal
   distributions", JASA 62(318), 626-633.
+- B. Efron, R. J. Tibshirani (1993), "An Introduction to the Bootstrap", Chapman & Hall (Chapter 6:
+  the bootstrap estimate of a standard error).
 """
 
 import math
 from statistics import NormalDist
+from typing import Optional
 
 import torch
 
@@ -122,6 +127,7 @@ def family_khat_threshold(
     num_tests: int,
     false_alarm: float = 0.05,
     relative_efficiency: float = 1.0,
+    standard_error: Optional[float] = None,
 ) -> float:
     """
     The k-hat above which one of ``num_tests`` k-hats (each fitted to ``num_samples`` weights) says
@@ -146,6 +152,9 @@ def family_khat_threshold(
     :param int num_tests: how many k-hats are compared (sites times their plate elements).
     :param float false_alarm: the probability of flagging any, when every true k is at the threshold.
     :param float relative_efficiency: see :func:`tail_length`.
+    :param float standard_error: a measured standard error of the k-hat at the threshold (e.g.
+        :func:`bootstrap_khat_standard_error`, rescaled), used where it is larger than
+        :func:`khat_standard_error`'s: weights whose draws differ more than independent ones would.
     :returns: the threshold; where no tail can be fitted (``M < 5``), :func:`khat_threshold` itself (such a
         k-hat is ``inf``, flagged anyway).
     :rtype: float
@@ -160,7 +169,36 @@ def family_khat_threshold(
     per_test = -math.expm1(math.log1p(-false_alarm) / max(num_tests, 1))
     z = -NormalDist().inv_cdf(per_test)
     mean = (tail_draws * base + PRIOR_DRAWS * PRIOR_KHAT) / (tail_draws + PRIOR_DRAWS)
-    return mean + z * khat_standard_error(base, tail_draws)
+    error = max(khat_standard_error(base, tail_draws), standard_error or 0.0)
+    return mean + z * error
+
+
+def bootstrap_khat_standard_error(
+    log_weights: torch.Tensor, num_resamples: int = 100, seed: int = 0
+) -> float:
+    """
+    The standard error of the k-hat of weights that come in independent groups (a TMC draw's particles,
+    normalised within their draw), fitted over all of them: the sd of k-hat over ``num_resamples``
+    resamples of the groups with replacement (the nonparametric bootstrap, resampling the independent
+    units). Seeded by ``seed`` on a generator of its own: the same weights give the same answer.
+
+    Why: the groups' weights are not independent draws of one Pareto tail when the groups differ (a
+    draw's globals put its particles' weights in another regime), and then k-hat varies more than
+    :func:`khat_standard_error` says. Measured on the unknown-scales Brownian motion's 400 draws of 32
+    particles: 0.16-0.19 over the locs' k-hats, against 0.09-0.10 (that formula); on independent groups
+    (Pareto or lognormal weights) the bootstrap and the simulated sd agree (0.07-0.09 against 0.07-0.09).
+
+    :param torch.Tensor log_weights: ``(R, K)``: R independent groups of K log weights.
+    :param int num_resamples: bootstrap resamples.
+    :param int seed: the resampling's seed.
+    :returns: the standard error.
+    :rtype: float
+    """
+    groups = log_weights.to(torch.float64).reshape(log_weights.shape[0], -1)
+    generator = torch.Generator().manual_seed(seed)
+    chosen = torch.randint(groups.shape[0], (num_resamples, groups.shape[0]), generator=generator)
+    khats = pareto_khat(groups[chosen].reshape(num_resamples, -1), dim=-1)
+    return float(khats[torch.isfinite(khats)].std()) if torch.isfinite(khats).sum() > 1 else math.inf
 
 
 def effective_sample_size(log_weights: torch.Tensor, dim: int = -1) -> torch.Tensor:

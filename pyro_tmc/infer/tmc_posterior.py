@@ -23,7 +23,8 @@ the threshold, a few weights carry the estimate and its standard errors cannot b
 There is one k-hat of the draws, compared with 0.7, but one per site and plate element (a 30-step
 chain has 30), each an estimate with its own noise: they are compared with
 :func:`~pyro_tmc.infer.diagnostics.family_khat_threshold`, above which the largest of that many passes
-with probability 5% when every true k is at most 0.7.
+with probability 5% when every true k is at most 0.7 (with a site's bootstrap standard error over the
+draws where its k-hat passes it and that error is the larger).
 """
 
 import math
@@ -36,7 +37,14 @@ import torch
 
 import pyro
 
-from pyro_tmc.infer.diagnostics import effective_sample_size, family_khat_threshold, pareto_khat, psis
+from pyro_tmc.infer.diagnostics import (
+    bootstrap_khat_standard_error,
+    effective_sample_size,
+    family_khat_threshold,
+    khat_threshold,
+    pareto_khat,
+    psis,
+)
 from pyro_tmc.infer.moments import PosteriorMoments, pool_moments
 from pyro_tmc.infer.posterior import marginals_and_log_estimate
 from pyro_tmc.infer.predictive import (
@@ -119,7 +127,8 @@ class Diagnostics(NamedTuple):
         draws' exceeds ``threshold``).
     :ivar dict site_threshold: particle site -> the k-hat above which it is not trusted:
         :func:`~pyro_tmc.infer.diagnostics.family_khat_threshold` of its weights' count, over
-        ``num_tests`` k-hats at ``false_alarm``.
+        ``num_tests`` k-hats at ``false_alarm``; where its k-hat passes that, with its worst element's
+        bootstrap standard error over the draws where that is larger.
     :ivar int num_tests: how many k-hats the sites' thresholds allow for (every plate element of every
         particle site).
     :ivar float false_alarm: the probability that any site is flagged when every true k is at most 0.7.
@@ -347,18 +356,22 @@ class TMCPosterior:
         :func:`~pyro_tmc.infer.diagnostics.family_khat_threshold` (0.7 plus the allowance for the
         largest of that many, about 0.26 for 30 k-hats of 400 draws of 32 particles), so that a
         posterior whose true k is at most 0.7 everywhere is flagged with probability ``false_alarm``.
+        Where a site's worst k-hat passes it, its standard error is measured too, by the bootstrap over
+        the draws, and the threshold uses it where it is larger (:meth:`_site_limit`): the draws'
+        particle weights differ from draw to draw, and k-hat then varies up to twice as much as
+        independent Pareto weights' (measured on the unknown-scales Brownian motion's locs).
 
         :param bool warn: warn of untrusted sites and of too few draws.
         :param float false_alarm: the sites' family-wise false-alarm probability.
         :rtype: Diagnostics
         """
-        khat, effective, counts, elements = {}, {}, {}, 0
+        khat, worst, effective, counts, elements = {}, {}, {}, {}, 0
         for name in self.draws[0].log_weights:
             # each draw's particles weighted within their draw (not times P_r: the draws' spread is the
             # draws' own k-hat below, and mixing it in makes the tail a few draws' clusters)
             within = torch.cat([draw.log_weights[name] for draw in self.draws], -1)
             site_khat = pareto_khat(within, dim=-1).nan_to_num(nan=0.0)
-            khat[name] = float(site_khat.max())
+            khat[name], worst[name] = float(site_khat.max()), int(site_khat.reshape(-1).argmax())
             counts[name] = within.shape[-1]
             if self.draws[0].log_weights[name].shape[-1] > 1:  # one particle a draw: no tail to test
                 elements += site_khat.numel()
@@ -370,7 +383,10 @@ class TMCPosterior:
                 -1,
             )
             effective[name] = float(effective_sample_size(pooled, dim=-1).min())
-        limits = {name: family_khat_threshold(count, elements, false_alarm) for name, count in counts.items()}
+        limits = {
+            name: self._site_limit(name, khat[name], worst[name], count, elements, false_alarm)
+            for name, count in counts.items()
+        }
         khat_draws = (
             float(pareto_khat(self.log_evidences, dim=-1))
             if len(self.draws) > MIN_DRAWS_FOR_KHAT
@@ -406,6 +422,25 @@ class TMCPosterior:
             elements,
             false_alarm,
         )
+
+    def _site_limit(
+        self, name: str, khat: float, element: int, count: int, elements: int, false_alarm: float
+    ) -> float:
+        """
+        The k-hat above which site ``name`` is not trusted: :func:`family_khat_threshold` over ``elements``
+        k-hats; where its worst k-hat ``khat`` (of plate element ``element``, flattened) passes that, the
+        threshold again with that element's bootstrap standard error over the draws
+        (:func:`bootstrap_khat_standard_error`, rescaled from ``khat`` to the threshold's k by
+        ``(1 + k) / (1 + khat)``) where it is larger. A site is then flagged only when its worst k-hat
+        passes a threshold that allows for how much it varies between read-outs of the same proposal.
+        """
+        limit = family_khat_threshold(count, elements, false_alarm)
+        if not khat > limit or not math.isfinite(khat):
+            return limit
+        weights = torch.stack([draw.log_weights[name] for draw in self.draws])  # (R,) + plate + (K,)
+        weights = weights.reshape(len(self.draws), -1, weights.shape[-1])[:, element]
+        error = bootstrap_khat_standard_error(weights) * (1 + khat_threshold(count)) / (1 + khat)
+        return family_khat_threshold(count, elements, false_alarm, standard_error=error)
 
     @staticmethod
     def _warn_untrusted(untrusted, khat, khat_draws, limits, elements, false_alarm) -> None:
