@@ -1014,7 +1014,10 @@ def rescore(path: str) -> list[dict]:
     """
     Rebuild the table at ``path`` from its stored rows, no fit rerun: every tmc row's "NUTS to same
     error" from the stored timelines (:func:`nuts_time_to`) and its k-hat flag under the sites'
-    family-wise threshold (:func:`rescored_flag`). The page's other lines are kept as they are.
+    family-wise threshold (:func:`rescored_flag`). The page's other lines are kept as they are. The
+    rescored limit is the formula's (:func:`pyro_tmc.infer.family_khat_threshold` without a standard
+    error): the diagnostics' bootstrap over the draws needs the draws and can only raise it, so a rerun
+    may lift a rescored flag but never add one.
     """
     rows = read_table(path)
     tests = {
