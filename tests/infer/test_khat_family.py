@@ -159,3 +159,34 @@ def test_diagnostics_use_the_family_threshold_over_every_element():
     assert diagnostics.untrusted[: len(expected)] == expected == ["c"]
     with pytest.warns(UserWarning, match=r"'c'.*above their threshold"):
         TMCPosterior(lambda: None, per_draw).diagnostics()
+
+
+def test_only_the_sites_nearest_the_limit_are_bootstrapped(monkeypatch):
+    """Past MAX_BOOTSTRAP_SITES sites, the rest keep the formula's limit (and their flags): bounded time."""
+    from pyro_tmc.infer import tmc_posterior
+
+    generator = torch.Generator().manual_seed(7)
+    shapes = {"near": 1.6, "far": 3.0}  # both past the limit; "near" by less
+    per_draw = []
+    for _ in range(40):
+        # raw Pareto log weights (not normalised within the draw, a test double): k-hat near the true k
+        weights = {
+            name: -k * torch.rand(32, dtype=torch.float64, generator=generator).log()
+            for name, k in shapes.items()
+        }
+        zero = {name: torch.zeros((), dtype=torch.float64) for name in shapes}
+        per_draw.append(ReadoutDraw(torch.zeros((), dtype=torch.float64), zero, zero, weights, {}))
+    posterior = TMCPosterior(lambda: None, per_draw)
+    limit = family_khat_threshold(40 * 32, 2)
+    bootstrapped = []
+
+    def wide_error(weights):  # records which site's weights were bootstrapped; an error that lifts its limit
+        bootstrapped.append(weights.shape)
+        return 1.0
+
+    monkeypatch.setattr(tmc_posterior, "MAX_BOOTSTRAP_SITES", 1)
+    monkeypatch.setattr(tmc_posterior, "bootstrap_khat_standard_error", wide_error)
+    capped = posterior.diagnostics(warn=False)
+    assert limit < capped.site_khat["near"] < capped.site_khat["far"], capped
+    assert bootstrapped == [(40, 32)] and capped.site_threshold["near"] > capped.site_khat["near"]
+    assert capped.site_threshold["far"] == pytest.approx(limit) and capped.untrusted == ["far"]
