@@ -432,6 +432,7 @@ def capture_step(
     roll_at_most: float = CompileConfig.roll_at_most,
     times: Optional[PhaseTimes] = None,
     record_graphs: bool = True,
+    termwise_small_chains: bool = False,
 ) -> "Capture":
     """
     Trace ``differentiable_loss(*args, **kwargs)`` and its gradient with respect
@@ -454,6 +455,8 @@ def capture_step(
     :param PhaseTimes times: where each phase's seconds are added (``None``: not timed).
     :param bool record_graphs: record the graphs on real tensors where that gives the trace's
         (:mod:`pyro_tmc.compile.recording`; ``CompileConfig.record_graphs``); else trace them.
+    :param bool termwise_small_chains: take chains of small matrices term by term, for a graph
+        that inductor compiles (:func:`~pyro_tmc.ops.chains.termwise_chain_product`).
 
     :returns: the graphs, and the structure the trace recorded.
     :raises GraphFallback: where tracing fails (a branch on values, a tensor read
@@ -477,7 +480,9 @@ def capture_step(
             param_store_holding(dict(zip(param_names, leaves))),
             held,
             pyro.validation_enabled(False),
-            deferred_underflow_checks(repair_in_graph=True, repair_counts=repair_counts) as flags,
+            deferred_underflow_checks(
+                repair_in_graph=True, repair_counts=repair_counts, termwise_small_chains=termwise_small_chains
+            ) as flags,
             recorder,
         ):
             loss = differentiable_loss(*args, **kwargs)
@@ -954,6 +959,8 @@ class StepProgram:
                 roll_at_most=self.config.roll_at_most,
                 times=times,
                 record_graphs=self.config.record_graphs,
+                # a 4-state chain's bmm, shifts and flags were half of an HMM's compiled step
+                termwise_small_chains=self.mode == "inductor",
             )
         except GraphFallback as reason:
             self._steps[key] = CapturedStep(None, None, names, [], [])

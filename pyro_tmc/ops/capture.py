@@ -83,6 +83,9 @@ class CaptureContext:
     #: every estimate program gives way to the eager path (the eager steps of a captured
     #: whole step, which would otherwise build estimate programs that its replays never use)
     eager_estimates: bool = False
+    #: the graph is for inductor to compile: a log-space chain of small matrices is taken term by
+    #: term, its matrices' dims first (:func:`~pyro_tmc.ops.chains.chain_product`)
+    termwise_small_chains: bool = False
 
 
 #: outside any capture: an eager step with nothing to record
@@ -122,7 +125,9 @@ def is_tracing() -> bool:
 
 @contextmanager
 def deferred_underflow_checks(
-    repair_in_graph: bool = False, repair_counts: Optional[Sequence[tuple]] = None
+    repair_in_graph: bool = False,
+    repair_counts: Optional[Sequence[tuple]] = None,
+    termwise_small_chains: bool = False,
 ) -> Iterator[list[torch.Tensor]]:
     """
     A graph being traced, where no branch on tensor values can run: within this
@@ -141,10 +146,15 @@ def deferred_underflow_checks(
         (:func:`~pyro_tmc.ops.graph_repair.repair_capacity`) and runs at every step,
         with no ``torch.cond``. ``None``: every product gets the default size, under
         ``torch.cond``.
+    :param bool termwise_small_chains: see :attr:`CaptureContext.termwise_small_chains`.
     """
     hints = None if repair_counts is None else RepairHints(repair_counts)
     with capturing(
-        tracing=True, underflow_flags=[], repair_in_graph=repair_in_graph, repair_hints=hints
+        tracing=True,
+        underflow_flags=[],
+        repair_in_graph=repair_in_graph,
+        repair_hints=hints,
+        termwise_small_chains=termwise_small_chains,
     ) as context:
         yield context.underflow_flags
 

@@ -869,11 +869,36 @@ def test_inductor_compiles_a_step_that_repairs_itself():
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
 
-    make_loss = functools.partial(chain_loss, 4)
+    # 8 states: a chain of at most TERMWISE_AT_MOST is taken term by term for inductor, with no repair
+    make_loss = functools.partial(chain_loss, 8)
 
     args = (torch.tensor(0.7), 6)
     replayed, eager = replay_and_eager(make_loss, stiff_chain_model, chain_guide, args, mode="inductor")
     assert_same_step(replayed, eager, rtol=1e-4)
+
+
+@pytest.mark.parametrize("model", [chain_model, stiff_chain_model], ids=["chain", "stiff_chain"])
+@pytest.mark.parametrize("mode", ["graph", "inductor"])
+def test_a_chain_of_small_matrices_is_taken_termwise_for_inductor(mode, model):
+    """
+    A 4-state chain captured for inductor holds its tree term by term: no ``bmm``, no repair
+    and no flag, stiff or not; for ``"graph"`` (replayed as the eager step runs) shifted products
+    (``bmm``), flagged. The inductor step's replay: ``test_inductor_compiles_a_step_that_repairs_itself``.
+    """
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    loss = chain_loss(4, compile=mode)
+    for _ in range(2):  # eager, captured (inductor compiles at the first replay: not run here)
+        loss.loss_and_grads(model, chain_guide, torch.tensor(0.7), 12)
+    captured = next(iter(loss.step_program._steps.values()))
+    graph = captured.program if mode == "graph" else captured.uncompiled
+    targets = {node.target for node in graph.graph.nodes if node.op == "call_function"}
+    repairs = {torch.ops.aten.nonzero_static.default, torch.ops.higher_order.cond}
+    if mode == "inductor":
+        assert torch.ops.aten.bmm.default not in targets and not targets & repairs
+        assert torch.ops.aten.any.default not in targets  # no product flagged its underflow
+    elif model is chain_model:
+        assert torch.ops.aten.bmm.default in targets
 
 
 def device_chain_guide(x, N):

@@ -12,7 +12,9 @@ import torch
 
 from pyro.distributions.hmm import _sequential_logmatmulexp
 
-from pyro_tmc.ops.chains import chain_product
+from pyro_tmc.ops.capture import deferred_underflow_checks
+from pyro_tmc.ops.chains import TERMWISE_AT_MOST, chain_product, termwise_chain_product
+from pyro_tmc.ops.underflow import safe_logsumexp
 
 
 def left_to_right(links: torch.Tensor, matmul) -> torch.Tensor:
@@ -92,3 +94,50 @@ def test_operands_maxima_far_apart_do_not_underflow(nats, dtype):
     eps = torch.finfo(dtype).eps
     assert torch.allclose(result.double(), expected.detach(), rtol=8 * eps, atol=0.0)
     assert torch.allclose(grad.double(), expected_grad, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("shape", "dim"), [((2, 3, 7, 4, 4), -3), ((9, 16, 4, 4), 0), ((5, 3, 3), 0), ((1, 2, 4, 4), 0)]
+)
+def test_termwise_product_equals_the_tree(shape, dim):
+    """The term-by-term tree of a graph for inductor: the shifted tree's value and gradient, batched."""
+    generator = torch.Generator().manual_seed(len(shape) + shape[0])
+    links = (30 * torch.randn(shape, generator=generator, dtype=torch.float64)).requires_grad_()
+    expected = chain_product(links, dim=dim)
+    weights = torch.rand(expected.shape, generator=generator, dtype=torch.float64)
+    (expected_grad,) = torch.autograd.grad((expected * weights).sum(), links)
+    result = termwise_chain_product(links, dim)
+    (grad,) = torch.autograd.grad((result * weights).sum(), links)
+    assert result.shape == expected.shape
+    assert torch.allclose(result, expected, rtol=1e-12, atol=0.0)
+    assert torch.allclose(grad, expected_grad, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize(("nats", "dtype"), [(150.0, torch.float32), (1000.0, torch.float64)])
+def test_termwise_product_is_exact_where_shifts_underflow(nats, dtype):
+    """Operands' maxima far apart, and a state no path reaches: exact, its gradient 0, nothing flagged."""
+    links = stiff_links(6, nats, dtype)
+    links[:, :, 2] = -float("inf")  # state 2 unreachable: -inf entries, no NaN in the gradient
+    leaf64 = links.double().requires_grad_()
+    # one product after another, each entry from its terms (safe_logsumexp: a 0 gradient through -inf)
+    expected = left_to_right(
+        leaf64, lambda x, y: safe_logsumexp(x[..., :, :, None] + y[..., None, :, :], [-2])
+    )
+    (expected_grad,) = torch.autograd.grad(expected[..., :2].sum(), leaf64)
+    leaf = links.clone().requires_grad_()
+    with deferred_underflow_checks(repair_in_graph=True, termwise_small_chains=True) as flags:
+        result = chain_product(leaf, dim=0)  # a graph for inductor: term by term
+    (grad,) = torch.autograd.grad(result[..., :2].sum(), leaf)
+    assert not flags and torch.isneginf(result[..., 2]).all()
+    eps = torch.finfo(dtype).eps
+    assert torch.allclose(result[..., :2].double(), expected[..., :2].detach(), rtol=8 * eps, atol=0.0)
+    assert torch.isfinite(grad).all() and (grad[:, :, 2] == 0).all()
+    assert torch.allclose(grad.double(), expected_grad, atol=1e-5)
+
+
+def test_large_matrices_are_not_taken_termwise():
+    """Above TERMWISE_AT_MOST states the graph keeps the shifted products, which flag their underflow."""
+    links = torch.randn(6, TERMWISE_AT_MOST + 1, TERMWISE_AT_MOST + 1)
+    with deferred_underflow_checks(termwise_small_chains=True) as flags:
+        chain_product(links, dim=0)
+    assert len(flags) == 3  # one per level: 6 -> 3 -> 2 -> 1
