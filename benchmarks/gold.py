@@ -600,7 +600,7 @@ def run_qem(problem: Problem, settings: Settings, progress):
 def run_nuts(problem: Problem, settings: Settings, progress):
     """Pyro's NUTS (``jit_compile``), its error logged at :data:`CHECKPOINTS` (:class:`NutsTimeline`)."""
     warmup, draws = settings.nuts_warmup, settings.nuts_samples
-    timeline = NutsTimeline(problem, [*CHECKPOINTS, draws], warmup)
+    timeline = NutsTimeline(problem, nuts_checkpoints(draws), warmup)
     kernel = NUTS(
         problem.model,
         max_plate_nesting=problem.max_plate_nesting,
@@ -628,6 +628,20 @@ def run_autoguide(problem: Problem, settings: Settings, progress, guide_class, *
 
 #: NUTS post-warm-up draws at which its error is logged: error against time from one chain
 CHECKPOINTS = (10, 20, 40, 80, 160, 320, 640, 1280)
+#: past the last of :data:`CHECKPOINTS`, a long run (``--nuts-samples``) logs every this many draws
+CHECKPOINT_STRIDE = 640
+
+
+def nuts_checkpoints(draws: int) -> list[int]:
+    """
+    The draws at which a NUTS run of ``draws`` logs its error: :data:`CHECKPOINTS`, then every
+    :data:`CHECKPOINT_STRIDE` draws (doubling alone would leave a long run's time to an error coarse
+    by up to 2x), and the last draw.
+
+    :param int draws: post-warm-up draws.
+    """
+    points = set(CHECKPOINTS) | set(range(CHECKPOINTS[-1], draws, CHECKPOINT_STRIDE)) | {draws}
+    return sorted(point for point in points if point <= draws)
 
 
 class NutsTimeline:
@@ -640,12 +654,17 @@ class NutsTimeline:
     :param checkpoints: numbers of post-warm-up draws at which to log.
     :param int warmup: warm-up draws (for the rows).
     :param to_sites: the NUTS model's moments -> the problem's sites' (default: the same sites).
+
+    Each point holds the wall and the process's CPU seconds since the start (``seconds``, ``cpu``), and,
+    where the problem's exact posterior is known, the errors against it too (``exact_``), and is printed
+    to stderr as it is logged, so that a long run killed early keeps its points.
     """
 
     def __init__(self, problem: Problem, checkpoints: Sequence[int], warmup: int, to_sites=None) -> None:
         self.problem, self.checkpoints, self.warmup = problem, set(checkpoints), warmup
         self.to_sites = to_sites or (lambda moments: moments)
-        self.start = time.perf_counter()
+        self.exact = problem._replace(gold=problem.exact()) if problem.exact is not None else None
+        self.start, self.cpu_start = time.perf_counter(), time.process_time()
         self.count, self.sums = 0, {}
         self.rows: list[dict] = []
 
@@ -660,8 +679,13 @@ class NutsTimeline:
             first, second = self.sums.get(name, (0.0, 0.0))
             self.sums[name] = (first + value, second + value.square())
         if self.count in self.checkpoints:
-            row = dict(errors(self.problem, self.estimate()), draws=self.count, warmup=self.warmup)
-            self.rows.append(dict(row, seconds=time.perf_counter() - self.start))
+            estimate = self.estimate()
+            row = dict(errors(self.problem, estimate), draws=self.count, warmup=self.warmup)
+            if self.exact is not None:
+                row.update({f"exact_{key}": value for key, value in errors(self.exact, estimate).items()})
+            row.update(seconds=time.perf_counter() - self.start, cpu=time.process_time() - self.cpu_start)
+            self.rows.append(row)
+            print("nuts timeline:", json.dumps(row), file=sys.stderr, flush=True)
 
     def moments(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Site -> (mean, sd) of the draws so far (the sd with Bessel's correction)."""
@@ -696,7 +720,7 @@ def run_chain_nuts(problem: Problem, settings: Settings, progress):
         sites.update({f"{chain}_{t}": (mean[t : t + 1], sd[t : t + 1]) for t in range(len(returns))})
         return sites
 
-    timeline = NutsTimeline(problem, [*CHECKPOINTS, draws], warmup, to_sites=per_day)
+    timeline = NutsTimeline(problem, nuts_checkpoints(draws), warmup, to_sites=per_day)
     kernel = NUTS(
         gold_chain.nuts_model, init_strategy=init_loc_fn, jit_compile=True, ignore_jit_warnings=True
     )
@@ -760,16 +784,24 @@ def progress_bar(description: str):
 
 
 def run(
-    model: str, method: str, quick: bool, seed: int = 0, progress=_silent, timeline: Optional[str] = None
+    model: str,
+    method: str,
+    quick: bool,
+    seed: int = 0,
+    progress=_silent,
+    timeline: Optional[str] = None,
+    nuts_samples: Optional[int] = None,
 ) -> dict:
     """
     Train and read one (model, method); returns its metrics, time and settings.
 
-    :param str timeline: a JSON-lines file that NUTS appends its error at each of :data:`CHECKPOINTS`
-        to: error against time from one chain.
+    :param str timeline: a JSON-lines file that NUTS appends its error at each of its checkpoints
+        (:func:`nuts_checkpoints`) to: error against time from one chain.
+    :param int nuts_samples: NUTS's post-warm-up draws, in place of the model's :data:`SETTINGS`
+        (a longer timeline, to reach a slower method's error).
     """
     problem = PROBLEMS[model]()
-    settings = (QUICK if quick else SETTINGS)[model]
+    settings = run_settings(model, quick, nuts_samples)
     pyro.clear_param_store()
     pyro.set_rng_seed(seed)
     start, cpu_start = time.perf_counter(), time.process_time()
@@ -798,13 +830,21 @@ def run(
     return row
 
 
-def failed_row(model: str, method: str, quick: bool, error: Exception, seed: int = 0) -> dict:
+def run_settings(model: str, quick: bool, nuts_samples: Optional[int] = None) -> Settings:
+    """The model's settings (:data:`QUICK` or :data:`SETTINGS`), with ``nuts_samples`` where given."""
+    settings = (QUICK if quick else SETTINGS)[model]
+    return settings if nuts_samples is None else settings._replace(nuts_samples=nuts_samples)
+
+
+def failed_row(
+    model: str, method: str, quick: bool, error: Exception, seed: int = 0, nuts_samples: Optional[int] = None
+) -> dict:
     nan = float("nan")
     message = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:120]}"
     row = dict.fromkeys(("mean_error", "mean_error_worst", "sd_error", "sd_error_worst", "khat"), nan)
     row.update(sd_ratio_min=nan, sd_ratio_max=nan, seconds=nan, model=model, method=method, note=message)
     row.update(seed=seed, timeline=[])
-    row["setup"] = describe(method, (QUICK if quick else SETTINGS)[model])
+    row["setup"] = describe(method, run_settings(model, quick, nuts_samples))
     return row
 
 
@@ -1119,6 +1159,9 @@ def main(argv=None) -> list[dict]:
     )
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the targets are stated for 1)")
     parser.add_argument("--timeline", help="JSON lines: NUTS's error at each checkpoint, appended")
+    parser.add_argument(
+        "--nuts-samples", type=int, help="NUTS's post-warm-up draws, for every model (default: SETTINGS)"
+    )
     args = parser.parse_args(argv)
     if args.plot_only:
         plot(read_table(args.out), args.figure)
@@ -1136,10 +1179,10 @@ def main(argv=None) -> list[dict]:
             for seed in args.seeds if method == "tmc" else args.seeds[:1]:
                 progress = _silent if args.no_progress else progress_bar(f"{model} {method} seed {seed}")
                 try:
-                    row = run(model, method, args.quick, seed, progress, args.timeline)
+                    row = run(model, method, args.quick, seed, progress, args.timeline, args.nuts_samples)
                 except (RuntimeError, ValueError, NotImplementedError, MemoryError) as error:
                     # a method that cannot run a model gets a row saying why; the others still run
-                    row = failed_row(model, method, args.quick, error, seed)
+                    row = failed_row(model, method, args.quick, error, seed, args.nuts_samples)
                 rows.append(row)
                 print(table([row], rows).splitlines()[-1], flush=True)
                 if args.out:
