@@ -875,7 +875,9 @@ def meets_targets(row: dict, prefix: str = "") -> bool:
 def nuts_time_to(row: dict, rows: Sequence[dict]) -> str:
     """
     The wall time NUTS (same model, seed 0 or the row's) took to reach ``row``'s average mean error and
-    sd error, from its timeline; ``"> T"`` when its whole run (T s) did not.
+    sd error, from its timeline; ``"> T"`` when its whole run (T s) did not. With the process's CPU
+    seconds where the timeline logged them, and the time to the row's errors against the exact
+    posterior too where both have them.
     """
     timelines = [
         r for r in rows if r["method"] == "nuts" and r["model"] == row["model"] and r.get("timeline")
@@ -886,10 +888,19 @@ def nuts_time_to(row: dict, rows: Sequence[dict]) -> str:
     timeline = chosen["timeline"]
     # another seed's timeline (NUTS runs on the first seed only) is named
     which = "" if chosen["seed"] == row["seed"] else f" (seed {chosen['seed']})"
-    for point in timeline:
-        if point["mean_error"] <= row["mean_error"] and point["sd_error"] <= row["sd_error"]:
-            return f"{point['seconds']:.0f}{which}"
-    return f"> {timeline[-1]['seconds']:.0f}{which}"
+    cell = _time_to(timeline, row, "") + which
+    if "exact_mean_error" in row and "exact_mean_error" in timeline[-1]:
+        cell += "; vs exact: " + _time_to(timeline, row, "exact_")
+    return cell
+
+
+def _time_to(timeline: Sequence[dict], row: dict, prefix: str) -> str:
+    """The first point of ``timeline`` at ``row``'s average errors (``prefix``: against the exact)."""
+    mean, sd = row[prefix + "mean_error"], row[prefix + "sd_error"]
+    reached = [p for p in timeline if p[prefix + "mean_error"] <= mean and p[prefix + "sd_error"] <= sd]
+    point = reached[0] if reached else timeline[-1]
+    cpu = f" (CPU {point['cpu']:.0f})" if "cpu" in point else ""
+    return ("" if reached else "> ") + f"{point['seconds']:.0f}{cpu}"
 
 
 #: the table's words on its k-hat column
@@ -984,6 +995,7 @@ def read_table(path: str) -> list[dict]:
                         mean_error=_number(cells[6].split("/")[0]),
                         sd_error=_number(cells[7].split("/")[0]),
                         cells=cells,
+                        **_exact_errors(cells[-1]),
                     )
                 )
     with open(path) as handle:
@@ -996,6 +1008,12 @@ def read_table(path: str) -> list[dict]:
             if row["method"] == "nuts" and (p["model"], p["seed"]) == (row["model"], row["seed"])
         ]
     return rows
+
+
+def _exact_errors(note: str) -> dict[str, float]:
+    """A stored row's average errors against the exact posterior, from its note (``{}`` where none)."""
+    found = re.search(r"vs exact: ([\d.]+) / [\d.]+, sd ([\d.]+) /", note)
+    return dict(exact_mean_error=float(found[1]), exact_sd_error=float(found[2])) if found else {}
 
 
 def _number(cell: str) -> float:

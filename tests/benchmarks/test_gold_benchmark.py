@@ -224,3 +224,26 @@ def test_rescore_fills_nuts_time_and_flags_from_stored_rows(tmp_path):
     assert second[5] == "> 20 (seed 0)" and second[9] == "1.20 (flagged)"
     benchmark.rescore(str(path))  # idempotent: the note's limit is read back
     assert path.read_text().splitlines() == after
+
+
+def test_long_nuts_timeline_logs_every_stride_and_times_cpu_and_exact():
+    """
+    A long NUTS run (``--nuts-samples``) logs past the doubling checkpoints every stride, and the time
+    to a row's error names the CPU seconds and, where both scored against the exact posterior, the
+    time to that error too; a stored row's exact errors are read back from its note.
+    """
+    benchmark = _load()
+    assert benchmark.nuts_checkpoints(30) == [10, 20, 30]
+    assert benchmark.nuts_checkpoints(2600)[-5:] == [640, 1280, 1920, 2560, 2600]
+    timeline = [
+        dict(mean_error=error, sd_error=error, exact_mean_error=error / 2, exact_sd_error=error / 2)
+        for error in (0.2, 0.1)
+    ]
+    for point, seconds in zip(timeline, (10.0, 20.0)):
+        point.update(seconds=seconds, cpu=0.6 * seconds)
+    nuts = dict(model="m", method="nuts", seed=0, timeline=timeline)
+    tmc = dict(model="m", method="tmc", seed=1, mean_error=0.2, sd_error=0.2)
+    tmc.update(benchmark._exact_errors("CPU 5 s; vs exact: 0.010 / 0.030, sd 0.007 / 0.017; at x"))
+    assert tmc["exact_mean_error"] == 0.01 and tmc["exact_sd_error"] == 0.007
+    assert benchmark.nuts_time_to(tmc, [nuts, tmc]) == "10 (CPU 6) (seed 0); vs exact: > 20 (CPU 12)"
+    assert benchmark._exact_errors("CPU 5 s") == {}
