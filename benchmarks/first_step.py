@@ -48,7 +48,9 @@ case's reference (NumPyro's ``scan`` for the HMM, where installed; for the chain
 hand-written log-depth tree in float32, eager, the issue's reference) in a persistent child
 process, past its first 16 steps, the children taking turns at ``--steps`` steps each, ROUNDS
 times; a row gives the mode's median step and the median (and range) over rounds of its time
-over the reference's in the same round.
+over the reference's in the same round. With ``--base REV`` the reference of each mode is the same
+mode at the git revision ``REV`` (its ``pyro_tmc`` extracted by ``git archive`` and put first on the
+child's path): before and after a change, in one run, with no NumPyro needed.
 """
 
 import argparse
@@ -60,6 +62,7 @@ import sys
 import tempfile
 import time
 import warnings
+from typing import Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DATA = os.path.join(HERE, "data", "numpyro_hmm")
@@ -378,12 +381,13 @@ def interleaved(case: str, modes: list[str], rounds: int, steps: int) -> dict[st
     """
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(prefix="first_step_inductor_"))
     command = [sys.executable, os.path.abspath(__file__), "--serve", case]
-    children = {
-        mode: subprocess.Popen(
-            command + [mode], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+    children = {}
+    for mode in modes:
+        name, _, revision = mode.partition(AT)
+        child_env = dict(env, PYTHONPATH=revision_tree(revision)) if revision else env
+        children[mode] = subprocess.Popen(
+            command + [name], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=child_env
         )
-        for mode in modes
-    }
     try:
         for mode, process in children.items():
             if process.stdout.readline().strip() != "ready":
@@ -401,15 +405,40 @@ def interleaved(case: str, modes: list[str], rounds: int, steps: int) -> dict[st
             process.wait()
 
 
-def interleaved_rows(case: str, modes: list[str], rounds: int, steps: int) -> list[str]:
-    """The rows of :func:`interleaved`: each mode's median step, and the median over rounds of its ratio."""
-    reference = reference_mode(case)
-    modes = [mode for mode in modes if mode not in ("numpyro", "tree")] + [reference]
+#: a mode at a git revision (``--base``): ``inductor@66616f1``
+AT = "@"
+
+
+def revision_tree(revision: str) -> str:
+    """A folder holding ``pyro_tmc`` as it was at ``revision`` (``git archive``), for a child's path."""
+    folder = tempfile.mkdtemp(prefix="first_step_base_")
+    archive = subprocess.run(
+        ["git", "-C", os.path.dirname(HERE), "archive", revision, "pyro_tmc"], check=True, capture_output=True
+    )
+    subprocess.run(["tar", "-x", "-C", folder], input=archive.stdout, check=True)
+    return folder
+
+
+def interleaved_rows(
+    case: str, modes: list[str], rounds: int, steps: int, base: Optional[str] = None
+) -> list[str]:
+    """
+    The rows of :func:`interleaved`: each mode's median step, and the median over rounds of its ratio
+    to the case's reference, or with ``base`` to the same mode at that revision.
+    """
+    modes = [mode for mode in modes if mode not in ("numpyro", "tree")]
+    if base:
+        references = {mode: f"{mode}{AT}{base}" for mode in modes}
+        modes = [run for mode in modes for run in (mode, references[mode])]
+        references.update({reference: reference for reference in references.values()})
+    else:
+        modes.append(reference_mode(case))
+        references = dict.fromkeys(modes, reference_mode(case))
     times = interleaved(case, modes, rounds, steps)
     medians = {mode: [statistics.median(burst) for burst in bursts] for mode, bursts in times.items()}
     rows = []
     for mode in modes:
-        ratios = [a / b for a, b in zip(medians[mode], medians[reference])]
+        ratios = [a / b for a, b in zip(medians[mode], medians[references[mode]])]
         ms = 1e3 * statistics.median(medians[mode])
         spread = f"{min(ratios):.2f}-{max(ratios):.2f}"
         name = "hand-written float32 log-depth tree (eager)" if mode == "tree" else label(mode)
@@ -494,6 +523,9 @@ def main(argv=None) -> None:
         "(NumPyro's scan, the chain's float32 tree), timed in turn in persistent children, ROUNDS rounds",
     )
     parser.add_argument("--steps", type=int, default=10, help="steps per mode and round (--interleaved)")
+    parser.add_argument(
+        "--base", metavar="REV", help="--interleaved: each mode beside itself at this git revision"
+    )
     parser.add_argument("--child", nargs=2, metavar=("CASE", "MODE"), help=argparse.SUPPRESS)
     parser.add_argument("--serve", nargs=2, metavar=("CASE", "MODE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -506,7 +538,7 @@ def main(argv=None) -> None:
     if args.interleaved:
         print("| case | method | ms per step | x reference (range over rounds) |\n|---|---|---:|---:|")
         for case in args.cases.split(","):
-            rows = interleaved_rows(case, args.modes.split(","), args.interleaved, args.steps)
+            rows = interleaved_rows(case, args.modes.split(","), args.interleaved, args.steps, args.base)
             print("\n".join(rows), flush=True)
         return
     notes = []
