@@ -93,7 +93,7 @@ class ChainConditional:
         derivatives = laplace.chain_derivatives(self.log_density, point)
         if derivatives is None:
             return None
-        gradient, diagonal, above, couplings = derivatives
+        _, gradient, diagonal, above, couplings = derivatives
         factor = tridiagonal_factor(-diagonal, -above)
         if factor is None:
             return None
@@ -160,35 +160,10 @@ def chain_conditional(
     if (
         response is None
         or not math.isfinite(float(response.sum()))
-        or not _agrees(log_density, point, free, first_index)
+        or not laplace.chain_derivatives_agree(log_density, point, free, first_index)
     ):
         return None
     return ChainConditional(log_density, point, free, response, first_index, site, widen)
-
-
-def _agrees(log_density, point: torch.Tensor, free: torch.Tensor, first_index: int) -> bool:
-    """
-    Whether :func:`~pyro_tmc.infer.laplace.chain_derivatives` at ``point`` agrees with the full
-    Hessian there (:func:`~pyro_tmc.infer.laplace._derivatives`, itself checked against one more
-    product), the locals' block and their first step's entry with the chain's first step
-    (``first_index`` among the globals): a chain whose steps meet more than their neighbours has
-    entries off the three diagonals.
-    """
-    full = laplace._derivatives(log_density, point)
-    chain = laplace.chain_derivatives(log_density, point)
-    if full is None or chain is None:
-        return False
-    _, _, hessian = full
-    gradient, diagonal, above, couplings = chain
-    locals_block = hessian[free][:, free]
-    banded = torch.diag(diagonal) + torch.diag(above, 1) + torch.diag(above, -1)
-    exact_coupling = float(hessian[free][0, ~free][first_index])
-    scale = float(locals_block.abs().max())
-    close = torch.allclose(banded, locals_block, rtol=1e-4, atol=1e-6 * scale)
-    return (
-        close
-        and abs(float(couplings[first_index]) - exact_coupling) <= 1e-4 * abs(exact_coupling) + 1e-6 * scale
-    )
 
 
 def _global_offset(proposal, name: str) -> int:
