@@ -499,6 +499,19 @@ def _damped_step(
     return None, damping
 
 
+def _value_and_gradient(log_density, u: torch.Tensor):
+    """
+    ``log_density(u)`` and its gradient, kept differentiable for Hessian-vector products (call under
+    grad mode, ``u`` requiring grad), or ``None`` where the model rejects the point.
+    """
+    try:
+        value = log_density(u)
+    except (ValueError, RuntimeError):  # a distribution's parameter outside its support
+        return None
+    (gradient,) = torch.autograd.grad(value, u, create_graph=True)
+    return value, gradient
+
+
 def _derivatives(log_density, point: torch.Tensor) -> Optional[tuple[float, torch.Tensor, torch.Tensor]]:
     """
     The value, gradient and Hessian of ``log_density`` at ``point`` (one backward pass per row), or
@@ -506,11 +519,10 @@ def _derivatives(log_density, point: torch.Tensor) -> Optional[tuple[float, torc
     """
     u = point.clone().requires_grad_(True)
     with torch.enable_grad():
-        try:
-            value = log_density(u)
-        except (ValueError, RuntimeError):
+        first_order = _value_and_gradient(log_density, u)
+        if first_order is None:
             return None
-        (gradient,) = torch.autograd.grad(value, u, create_graph=True)
+        value, gradient = first_order
         band = getattr(log_density, "band", None)
         banded = None if band is None else _banded_hessian(gradient, u, band)
         if banded is not None:
@@ -662,11 +674,10 @@ def chain_derivatives(log_density: LogJoint, point: torch.Tensor) -> Optional[Ch
     first = int(chain.nonzero()[0])  # the first later step's coordinate (the globals' come first)
     u = point.clone().requires_grad_(True)
     with torch.enable_grad():
-        try:
-            value = log_density(u)
-        except (ValueError, RuntimeError):
+        first_order = _value_and_gradient(log_density, u)
+        if first_order is None:
             return None
-        (gradient,) = torch.autograd.grad(value, u, create_graph=True)
+        value, gradient = first_order
         n = len(u)
         diagonal, above = torch.zeros(n, dtype=u.dtype), torch.zeros(n, dtype=u.dtype)
         coupling = torch.zeros(n, dtype=u.dtype)
