@@ -26,7 +26,8 @@ traced over recorded, of the first steps and of each phase. ``inductor-backgroun
 ``inductor`` with ``CompileConfig(compile_in_background=True)``: its first steps replay the
 uncompiled graph while a child process compiles; its row adds when the compile was done (from
 the first step) and the seconds of the step that switched to the compiled code, and its per-step
-column is the compiled step's.
+column is the compiled step's. ``inductor-novec`` compiles with ``cpp.simdlen=1`` (no vector ISA of that
+width, so no CPU vectorization, for that compile only; docs/performance.md).
 
 Each case and mode runs in a child process of its own, with cold inductor caches (a fresh
 ``TORCHINDUCTOR_CACHE_DIR``; ``--warm`` runs it once before, into the same directory): the
@@ -75,6 +76,8 @@ MODES = ("graph", "inductor", "numpyro")
 TRACED = "-traced"
 #: ``inductor`` with this suffix compiles in a child process (``compile_in_background=True``)
 BACKGROUND = "-background"
+#: ``inductor`` with this suffix compiles without CPU vectorization (``cpp.simdlen=1``: no vector ISA)
+NOVEC = "-novec"
 FIRST_CALLS = 8
 TIMED_STEPS = 20
 
@@ -130,7 +133,9 @@ def pyro_tmc_case(case: str, mode: str):
     options = CompileConfig(record_graphs=False) if mode.endswith(TRACED) else None
     if mode.endswith(BACKGROUND):
         options = CompileConfig(compile_in_background=True)
-    mode = mode.removesuffix(TRACED).removesuffix(BACKGROUND)
+    if mode.endswith(NOVEC):
+        options = CompileConfig(torch_compile={"options": {"cpp.simdlen": 1}})
+    mode = mode.removesuffix(TRACED).removesuffix(BACKGROUND).removesuffix(NOVEC)
     if case.startswith("hmm"):
         observations, locs = hmm_data(int(case[3:]))
         model, guide = make_hmm(locs)
