@@ -456,6 +456,21 @@ def _is_positive(fn) -> bool:
 
 # -- the loop ---------------------------------------------------------------------------
 
+#: the default step's first and final values: ``max(FINAL_STEP, FIRST_STEP / (t + 1))``
+FIRST_STEP = 0.9
+FINAL_STEP = 0.3
+
+
+def default_step_size(step: int) -> float:
+    """
+    QEM's default moving-average step at step ``step`` (from 0): ``max(0.3, 0.9 / (t + 1))``, large
+    while the guide is far from the posterior, then an average over about ``2 / 0.3`` steps.
+    Measured (``benchmarks/qem_iterations.py``, K = 10, seeds 0-2): on the bus breakdowns it reaches
+    TMC-VI's bound in 0.05-0.28 of TMC-VI's iterations (a constant 0.1: 0.55; 0.7: 0.05-0.42, ending
+    1-3 nats lower), on radon in 0.09 (a constant 0.1: 1.55; 0.3: 0.27-0.62).
+    """
+    return max(FINAL_STEP, FIRST_STEP / (step + 1))
+
 
 class QEM:
     """
@@ -473,7 +488,8 @@ class QEM:
     :param QEMGuide guide: the guide that QEM fits.
     :param lr: the moving average's step, in (0, 1]: 1 replaces the moments each step;
         smaller values average the Monte Carlo noise over about ``2 / lr`` steps. A callable
-        ``step -> lr`` (step counts from 0) gives a schedule, e.g. ``lambda t: max(0.1, 1 / (t + 1))``.
+        ``step -> lr`` (step counts from 0) gives a schedule; the default, :func:`default_step_size`,
+        is ``max(0.3, 0.9 / (t + 1))``.
     :param int num_samples: K, the particles per latent in each step's TMC draw.
     :param max_plate_nesting: as in every Pyro ELBO.
     :param elementwise: the vector sites whose moments are read element by element from their
@@ -493,7 +509,7 @@ class QEM:
         self,
         model: Callable,
         guide: QEMGuide,
-        lr: Union[float, Callable[[int], float]] = 0.1,
+        lr: Union[float, Callable[[int], float]] = default_step_size,
         num_samples: int = 16,
         max_plate_nesting: float = float("inf"),
         elementwise: Union[str, bool, list[str]] = "auto",

@@ -16,7 +16,7 @@ import pyro
 import pyro.distributions as dist
 
 from pyro_tmc import QEM, QEMGuide
-from pyro_tmc.infer.qem import MarkovLoop, markov_blocks
+from pyro_tmc.infer.qem import MarkovLoop, default_step_size, markov_blocks
 from tests.common.models import (
     gaussian_posterior,
     linear_gaussian_moments,
@@ -295,3 +295,18 @@ def test_markov_blocks_follow_the_models_steps(fresh_pyro):
     blocks = markov_blocks(trace, names)
     steps = [["a_0", "b_0", "a_1", "b_1", "a_2", "b_2"], ["a_3", "b_3"], ["a_4", "b_4"]]
     assert blocks == ["scale", MarkovLoop(steps, 2), "last"]
+
+
+def test_the_default_step_starts_large_and_settles(fresh_pyro):
+    """QEM's default step is max(0.3, 0.9 / (t + 1)): 0.9, 0.45, then 0.3 from the third step on."""
+    assert [default_step_size(t) for t in range(5)] == pytest.approx([0.9, 0.45, 0.3, 0.3, 0.3])
+
+    def model():
+        pyro.sample("z", dist.Normal(0.0, 1.0))
+
+    qem = QEM(model, QEMGuide(model), num_samples=4)
+    steps = []
+    for _ in range(3):
+        steps.append(qem._step_size())
+        qem.step()
+    assert steps == pytest.approx([0.9, 0.45, 0.3])
