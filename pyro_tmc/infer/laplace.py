@@ -285,13 +285,14 @@ def _marginal_iterations(num_globals: int, num_coordinates: int, chain: bool) ->
     The Newton steps on the globals' marginal affordable in :data:`MARGINAL_BACKWARD_PASSES`: each
     takes ``1 + 2G + G(G-1)/2`` conditional modes of up to ``MARGINAL_NEWTON_STEPS + 1`` Hessians,
     each a backward pass per coordinate (four on a chain: a gradient and three products). At least
-    one, at most :data:`MARGINAL_ITERATIONS`: stochastic volatility's 2,516 days and eight schools
-    get 12, the unknown-scales walk 5, the 100-day volatility in ``pyro.markov`` (103 coordinates,
-    no band) 1, where 12 had taken over 40 minutes.
+    most :data:`MARGINAL_ITERATIONS`: stochastic volatility's 2,516 days and eight schools get 12,
+    the unknown-scales walk 5, the 100-day volatility in ``pyro.markov`` (103 coordinates, no band)
+    none: one step there costs 5,150 passes (232 s of CPU, twice a fit: before training and after),
+    and 12 had taken over 40 minutes.
     """
     evaluations = 1 + 2 * num_globals + num_globals * (num_globals - 1) // 2
     passes = evaluations * (MARGINAL_NEWTON_STEPS + 1) * (4 if chain else num_coordinates)
-    return max(1, min(MARGINAL_ITERATIONS, MARGINAL_BACKWARD_PASSES // passes))
+    return min(MARGINAL_ITERATIONS, MARGINAL_BACKWARD_PASSES // passes)
 
 
 def _rising(marginal, delta: torch.Tensor, value: float):

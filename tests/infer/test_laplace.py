@@ -13,6 +13,7 @@ from pyro_tmc.infer.fit import fit_posterior, globals_widening
 from pyro_tmc.infer.laplace import (
     _damped_step,
     _derivatives,
+    _marginal_iterations,
     gaussian_proposals,
     laplace_approximation,
     log_joint,
@@ -349,3 +350,13 @@ def test_the_globals_marginal_of_a_funnel_integrates_its_locals(start):
     assert float(marginal.covariance) == pytest.approx(analytic_variance, rel=0.12)
     u = marginal.mean.reshape(()).double()
     assert exact(u) >= exact(torch.tensor(start, dtype=torch.float64))
+
+
+def test_the_globals_marginal_takes_no_step_it_cannot_afford():
+    """
+    One step on 3 globals over 103 unbanded coordinates costs 5,150 backward passes, over the budget:
+    none is taken (at least one had doubled the 100-day volatility's fit); a chain's 2,516 days get 12.
+    """
+    assert _marginal_iterations(3, 103, chain=False) == 0
+    assert _marginal_iterations(4, 2520, chain=True) == 12
+    assert _marginal_iterations(2, 10, chain=False) == 12
