@@ -488,8 +488,8 @@ class QEM:
     :param QEMGuide guide: the guide that QEM fits.
     :param lr: the moving average's step, in (0, 1]: 1 replaces the moments each step;
         smaller values average the Monte Carlo noise over about ``2 / lr`` steps. A callable
-        ``step -> lr`` (step counts from 0) gives a schedule; the default, :func:`default_step_size`,
-        is ``max(0.3, 0.9 / (t + 1))``.
+        ``step -> lr`` (step counts from 0) gives a schedule; the default,
+        :func:`~pyro_tmc.infer.qem.default_step_size`, is ``max(0.3, 0.9 / (t + 1))``.
     :param int num_samples: K, the particles per latent in each step's TMC draw.
     :param max_plate_nesting: as in every Pyro ELBO.
     :param elementwise: the vector sites whose moments are read element by element from their
