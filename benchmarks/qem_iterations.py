@@ -206,7 +206,7 @@ def trace_metrics(benchmark: Benchmark, method: str, args) -> dict[str, list[flo
         qem = QEM(
             benchmark.model,
             guide,
-            lr=qem_step_size(args.qem_lr, args.qem_lr_start),
+            lr=qem_step_size(args.qem_lr, args.qem_lr_start)[0],
             num_samples=args.num_samples,
             max_plate_nesting=benchmark.max_plate_nesting,
             elementwise=args.qem_elementwise,
@@ -226,17 +226,18 @@ def trace_metrics(benchmark: Benchmark, method: str, args) -> dict[str, list[flo
     return values
 
 
-def qem_step_size(lr: Optional[float], start: Optional[float]):
+def qem_step_size(lr: Optional[float], start: Optional[float]) -> tuple:
     """
-    QEM's moving-average step: ``lr``, or ``max(lr, start / (t + 1))`` from a larger ``start``;
-    neither: QEM's own default (:func:`pyro_tmc.infer.qem.default_step_size`).
+    QEM's moving-average step and how it reads: ``lr``, or ``max(lr, start / (t + 1))`` from a larger
+    ``start`` (``lr`` defaulting to the default's final step); neither: QEM's own default
+    (:func:`pyro_tmc.infer.qem.default_step_size`).
     """
     if lr is None and start is None:
-        return default_step_size
+        return default_step_size, f"max({FINAL_STEP}, {FIRST_STEP} / (t + 1))"
     lr = FINAL_STEP if lr is None else lr
     if start is None:
-        return lr
-    return lambda step: max(lr, start / (step + 1))
+        return lr, str(lr)
+    return (lambda step: max(lr, start / (step + 1))), f"max({lr}, {start} / (t + 1))"
 
 
 def checkpoints(iterations: int, every: int) -> list[int]:
@@ -302,11 +303,7 @@ def main(argv=None) -> list[dict]:
     torch.set_num_threads(1)  # a script's choice, as benchmarks/hierarchical.py
     # (K, iterations, read-out every): alan's K and iterations, gold.py's for eight schools
     defaults = {"radon": (10, 250, 25), "bus_breakdown": (10, 400, 20), "eight_schools": (64, 1000, 100)}
-    final = FINAL_STEP if args.qem_lr is None else args.qem_lr
-    if args.qem_lr_start:
-        schedule = f"max({final}, {args.qem_lr_start} / (t + 1))"
-    else:
-        schedule = f"max({FINAL_STEP}, {FIRST_STEP} / (t + 1))" if args.qem_lr is None else args.qem_lr
+    _, schedule = qem_step_size(args.qem_lr, args.qem_lr_start)
     print(f"QEM step: {schedule}", flush=True)
     print("| data | K | metric | TMC-VI final (noise) | TMC-VI its. to reach | QEM its. to reach | ratio |")
     print("| --- | --- | --- | --- | --- | --- | --- |", flush=True)
