@@ -27,7 +27,10 @@ traced over recorded, of the first steps and of each phase. ``inductor-backgroun
 uncompiled graph while a child process compiles; its row adds when the compile was done (from
 the first step) and the seconds of the step that switched to the compiled code, and its per-step
 column is the compiled step's. ``inductor-novec`` compiles with ``cpp.simdlen=1`` (no vector ISA of that
-width, so no CPU vectorization, for that compile only; docs/performance.md).
+width, so no CPU vectorization, for that compile only; docs/performance.md). ``inductor-noisa`` runs its
+child with ``TORCHINDUCTOR_VEC_ISA_OK=0`` in its environment: vectorization off for the whole process,
+the setting a user makes before torch compiles anything (inductor caches the CPU's vector ISAs once a
+process, so no single compile can set it).
 
 Each case and mode runs in a child process of its own, with cold inductor caches (a fresh
 ``TORCHINDUCTOR_CACHE_DIR``; ``--warm`` runs it once before, into the same directory): the
@@ -78,6 +81,13 @@ TRACED = "-traced"
 BACKGROUND = "-background"
 #: ``inductor`` with this suffix compiles without CPU vectorization (``cpp.simdlen=1``: no vector ISA)
 NOVEC = "-novec"
+#: ``inductor`` with this suffix runs its child with vectorization off for the process (its environment)
+NOISA = "-noisa"
+
+
+def mode_environment(env: dict, mode: str) -> dict:
+    """A mode's child environment: ``env``, with inductor's vector ISAs off for :data:`NOISA` modes."""
+    return dict(env, TORCHINDUCTOR_VEC_ISA_OK="0") if mode.partition(AT)[0].endswith(NOISA) else env
 FIRST_CALLS = 8
 TIMED_STEPS = 20
 
@@ -135,7 +145,7 @@ def pyro_tmc_case(case: str, mode: str):
         options = CompileConfig(compile_in_background=True)
     if mode.endswith(NOVEC):
         options = CompileConfig(torch_compile={"options": {"cpp.simdlen": 1}})
-    mode = mode.removesuffix(TRACED).removesuffix(BACKGROUND).removesuffix(NOVEC)
+    mode = mode.removesuffix(NOISA).removesuffix(TRACED).removesuffix(BACKGROUND).removesuffix(NOVEC)
     if case.startswith("hmm"):
         observations, locs = hmm_data(int(case[3:]))
         model, guide = make_hmm(locs)
@@ -390,6 +400,7 @@ def interleaved(case: str, modes: list[str], rounds: int, steps: int) -> dict[st
     for mode in modes:
         name, _, revision = mode.partition(AT)
         child_env = dict(env, PYTHONPATH=revision_tree(revision)) if revision else env
+        child_env = mode_environment(child_env, mode)
         children[mode] = subprocess.Popen(
             command + [name], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=child_env
         )
@@ -473,7 +484,7 @@ def ratios(case: str, results: dict) -> list[str]:
 def run_child(case: str, mode: str, warm: bool, timeout: float) -> dict:
     """One case and mode in a fresh process, with its own (cold, or with ``warm`` filled) caches."""
     cache = tempfile.mkdtemp(prefix="first_step_inductor_")
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
+    env = mode_environment(dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache), mode)
     command = [sys.executable, os.path.abspath(__file__), "--child", case, mode]
     try:
         for _ in range(2 if warm and mode.startswith("inductor") else 1):
@@ -515,7 +526,7 @@ def main(argv=None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {CASES}")
-    modes_help = f"comma-separated, of {MODES} (or a pyro_tmc one + {TRACED!r}, or inductor{BACKGROUND})"
+    modes_help = f"comma-separated, of {MODES} (or a pyro_tmc one + {TRACED!r}, or inductor{BACKGROUND}, {NOVEC}, {NOISA})"
     parser.add_argument("--modes", default=",".join(MODES), help=modes_help)
     parser.add_argument("--warm", action="store_true", help="fill inductor's caches with one run first")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per case and mode")
