@@ -526,7 +526,8 @@ def main(argv=None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {CASES}")
-    modes_help = f"comma-separated, of {MODES} (or a pyro_tmc one + {TRACED!r}, or inductor{BACKGROUND}, {NOVEC}, {NOISA})"
+    suffixes = f"{TRACED!r}, or inductor{BACKGROUND}, {NOVEC}, {NOISA}"
+    modes_help = f"comma-separated, of {MODES} (or a pyro_tmc one + {suffixes})"
     parser.add_argument("--modes", default=",".join(MODES), help=modes_help)
     parser.add_argument("--warm", action="store_true", help="fill inductor's caches with one run first")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per case and mode")
