@@ -88,6 +88,8 @@ NOISA = "-noisa"
 def mode_environment(env: dict, mode: str) -> dict:
     """A mode's child environment: ``env``, with inductor's vector ISAs off for :data:`NOISA` modes."""
     return dict(env, TORCHINDUCTOR_VEC_ISA_OK="0") if mode.partition(AT)[0].endswith(NOISA) else env
+
+
 FIRST_CALLS = 8
 TIMED_STEPS = 20
 
