@@ -15,17 +15,35 @@ Both z and mu are first centred on the parents' mean of mu (a constant, so
 gradients are unchanged), which keeps the expanded terms of the size of the
 result and the cancellation error at float precision (measured: 6e-5 absolute
 on values of 240).
+
+A Bernoulli observation with logits over particle dims (item response theory's 30,000 answers
+against K x K particles of the abilities and the globals: 41 million terms) is memory-bound:
+torch's ``Bernoulli.log_prob`` and Pyro's mask take about eight passes over the broadcast result.
+Written as ``log sigmoid(s * logits)`` with ``s = 2 y - 1`` (exact for y in {0, 1}; a masked
+answer's term made ``log sigmoid(+inf) = 0``), it is two, and where no gradient is needed, a
+block at a time that stays in the CPU's cache: 0.18 s against 1.0-1.1 s for those 41 million
+terms (:func:`bernoulli_logits_log_prob`).
 """
 
 import math
+from typing import Optional
 
 import torch
-from torch.distributions import Distribution, Independent, Normal
+import torch.nn.functional as F
+from torch.distributions import Bernoulli, Distribution, Independent, Normal
 
+from pyro_tmc.ops.capture import is_tracing
 from pyro_tmc.ops.shapes import broadcast_shape
 
 #: below this many units the elementwise route is as fast
 MIN_UNITS = 8
+#: below this many terms a Bernoulli factor takes torch's own route: the passes over it are cheap, and
+#: the route's checks (binary values) and blocks cost more than they save
+MIN_BERNOULLI_TERMS = 2**16
+#: a block of a Bernoulli factor computed at once where no gradient is needed: 2^20 float32 terms
+#: (4 MiB) stay in cache between the two passes; blocks of 40 thousand to 2.5 million terms took
+#: 0.18-0.19 s for 41 million, the whole tensor at once 0.49 s
+BERNOULLI_BLOCK_TERMS = 2**20
 
 
 def log_prob(fn: Distribution, value: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -33,6 +51,8 @@ def log_prob(fn: Distribution, value: torch.Tensor, *args, **kwargs) -> torch.Te
     fast = gaussian_pairwise_log_prob(fn, value)
     if fast is None:
         fast = scalar_gaussian_log_prob(fn, value)
+    if fast is None:
+        fast = bernoulli_logits_log_prob(fn, value)
     return fn.log_prob(value, *args, **kwargs) if fast is None else fast
 
 
@@ -89,3 +109,77 @@ def gaussian_pairwise_log_prob(fn: Distribution, value: torch.Tensor):
     cross = torch.einsum("...u,...u->...", z, precision * mu)
     parents_only = (0.5 * precision * mu * mu + scale.log()).sum(-1)
     return cross - 0.5 * quadratic - parents_only - 0.5 * value.shape[-1] * math.log(2 * math.pi)
+
+
+def bernoulli_logits_log_prob(fn: Distribution, value: torch.Tensor) -> Optional[torch.Tensor]:
+    """
+    The log density of a Bernoulli with logits (in Pyro's mask and ``to_event``, or not) as
+    ``log sigmoid(s * logits)``, ``s = 2 value - 1``, a masked term ``log sigmoid(+inf) = 0``
+    (module docstring); ``None`` where it does not apply: another distribution, probs instead of
+    logits, values not all 0 or 1 (soft labels, which torch's route scores), fewer than
+    :data:`MIN_BERNOULLI_TERMS` terms, a value as large as the result (nothing broadcast), or a
+    graph being traced (it reads the values; the traced graph is fused by its compiler anyway).
+    """
+    event_dims, mask, base = _unwrapped_bernoulli(fn)
+    if base is None or "logits" not in base.__dict__ or is_tracing() or torch.compiler.is_compiling():
+        return None
+    logits = _compact(base.logits)
+    value = _compact(value)
+    shape = broadcast_shape(value.shape, logits.shape, () if mask is None else mask.shape)
+    if math.prod(shape) < max(MIN_BERNOULLI_TERMS, 2 * value.numel()):
+        return None
+    if not bool(((value == 0) | (value == 1)).all()):
+        return None
+    if base._validate_args:
+        base._validate_sample(value)
+    sign = 2 * value.to(logits.dtype) - 1
+    offset = torch.zeros((), dtype=logits.dtype, device=logits.device)
+    if mask is not None:  # +inf where masked out: log sigmoid(s * logits + inf) = 0, gradient 0
+        offset = torch.where(mask, offset, math.inf)
+    if torch.is_grad_enabled() and logits.requires_grad:
+        terms = F.logsigmoid(torch.addcmul(offset, sign, logits))
+        return terms.sum(tuple(range(-event_dims, 0))) if event_dims else terms
+    return _blockwise_log_sigmoid(offset, sign, logits, shape, event_dims)
+
+
+def _unwrapped_bernoulli(fn: Distribution):
+    """``(event dims, mask or None, the Bernoulli)`` of ``Bernoulli``, masked, ``to_event``: else a None."""
+    event_dims, mask = 0, None
+    if isinstance(fn, Independent) and type(fn).log_prob is Independent.log_prob:
+        event_dims, fn = fn.reinterpreted_batch_ndims, fn.base_dist
+    if type(fn).__name__ == "MaskedDistribution" and hasattr(fn, "_mask"):
+        if fn._mask is False:
+            return event_dims, None, None
+        mask = None if fn._mask is True else _compact(fn._mask)
+        fn = fn.base_dist
+    if not isinstance(fn, Bernoulli) or type(fn).log_prob is not Bernoulli.log_prob:
+        return event_dims, None, None
+    return event_dims, mask, fn
+
+
+def _compact(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` with every expanded (stride-0) dim cut to size 1: it broadcasts back the same."""
+    index = tuple(
+        slice(0, 1) if stride == 0 and size > 1 else slice(None)
+        for size, stride in zip(tensor.shape, tensor.stride())
+    )
+    return tensor[index]
+
+
+def _blockwise_log_sigmoid(offset, sign, logits, shape, event_dims: int) -> torch.Tensor:
+    """``log sigmoid(sign * logits + offset)`` summed over the event dims, a block of rows at a time."""
+    batch_rank = len(shape) - event_dims
+    result = logits.new_empty(shape[:batch_rank])
+    operands = [t.reshape((1,) * (len(shape) - t.dim()) + tuple(t.shape)) for t in (offset, sign, logits)]
+    # blocks along the first batch dim whose rows hold at most BERNOULLI_BLOCK_TERMS (one row at least)
+    rows = max(1, BERNOULLI_BLOCK_TERMS // max(1, math.prod(shape[1:]))) if batch_rank else shape[0]
+    sum_dims = tuple(range(-event_dims, 0))
+    for start in range(0, shape[0] if batch_rank else 1, rows):
+        block = operands
+        if batch_rank:  # an operand broadcast along the first dim (size 1 there) is read whole
+            block = [t if t.shape[0] == 1 else t[start : start + rows] for t in operands]
+        terms = F.logsigmoid(torch.addcmul(*block))
+        terms = terms.sum(sum_dims) if event_dims else terms
+        target = result[start : start + rows] if batch_rank else result
+        target.copy_(terms.expand(target.shape))
+    return result

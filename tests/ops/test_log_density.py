@@ -57,3 +57,55 @@ def test_scalar_gaussian_equals_elementwise():
     assert (
         scalar_gaussian_log_prob(dist.Normal(loc, scale), torch.randn(3, 6, 5)) is None
     )  # nothing to broadcast
+
+
+def _bernoulli_cases():
+    torch.manual_seed(2)
+    value = (torch.rand(40, 30) < 0.4).float()
+    mask = torch.rand(40, 30) < 0.8
+    logits = torch.randn(8, 9, 40, 30) * 3
+    logits[0, 0, 0, 0] = 40.0  # far in the tails: no overflow either way
+    logits[0, 0, 0, 1] = -40.0
+    return value, mask, logits
+
+
+@pytest.mark.parametrize("masked", [False, True, "expanded"])
+@pytest.mark.parametrize("event", [False, True])
+@pytest.mark.parametrize("grad", [False, True])
+def test_bernoulli_logits_equals_torch(masked, event, grad, monkeypatch):
+    from pyro_tmc.ops import log_density
+
+    monkeypatch.setattr(log_density, "MIN_BERNOULLI_TERMS", 1000)
+    monkeypatch.setattr(log_density, "BERNOULLI_BLOCK_TERMS", 5000)  # several blocks, a partial last one
+    value, mask, logits = _bernoulli_cases()
+    logits = logits.clone().requires_grad_(grad)
+    fn = dist.Bernoulli(logits=logits)
+    if masked:
+        fn = fn.mask(mask.expand(8, 9, 40, 30) if masked == "expanded" else mask)
+    if event:
+        fn = fn.to_event(1)
+    fast = log_density.bernoulli_logits_log_prob(fn, value)
+    slow = fn.log_prob(value)
+    assert fast is not None and fast.shape == slow.shape
+    assert torch.allclose(fast, slow, rtol=1e-6, atol=1e-4)
+    if grad:
+        (fast_grad,) = torch.autograd.grad(fast.sum(), [logits])
+        (slow_grad,) = torch.autograd.grad(slow.sum(), [logits])
+        assert torch.isfinite(fast_grad).all() and torch.allclose(fast_grad, slow_grad, atol=1e-6)
+
+
+def test_bernoulli_logits_falls_back(monkeypatch):
+    from pyro_tmc.ops import log_density
+
+    monkeypatch.setattr(log_density, "MIN_BERNOULLI_TERMS", 1000)
+    value, mask, logits = _bernoulli_cases()
+    fast = log_density.bernoulli_logits_log_prob
+    assert fast(dist.Bernoulli(logits=logits).to_event(1), value * 0.5) is None  # soft labels: torch's route
+    assert fast(dist.Bernoulli(probs=logits.sigmoid()), value) is None  # probs, not logits
+    assert fast(dist.Bernoulli(logits=logits[0, 0]), value) is None  # nothing broadcast
+    assert fast(dist.Bernoulli(logits=logits).mask(False), value) is None  # Pyro's zeros
+    assert fast(dist.Normal(logits, 1.0), value) is None
+    small = dist.Bernoulli(logits=logits[:1, :1, :2])
+    assert fast(small, value[:1]) is None  # below MIN_BERNOULLI_TERMS's 1000 terms
+    with pytest.raises(ValueError):  # validation as torch's: a value outside {0, 1}
+        log_density.log_prob(dist.Bernoulli(logits=logits, validate_args=True), value + 2 * (value == 0))
