@@ -579,8 +579,13 @@ class AdaptiveProposal:
         # from sites nobody proposes (a vectorized_markov chain's previous steps, drawn from their
         # prior) is never scored, and a prior draw can reach a scale of 0.0 that a constraint rejects.
         # The model's own run under TMC validates every value it scores.
-        with ProposalMessenger(self, globals_flat, chain_parameters), pyro.validation_enabled(False):
-            poutine.block(self.model, hide_fn=lambda msg: msg["name"] not in covered)(*args, **kwargs)
+        # The model stops after the last covered site: what follows (the likelihood's 41 million
+        # logits of item response theory, a third of a draw) is not the guide's to compute.
+        try:
+            with ProposalMessenger(self, globals_flat, chain_parameters), pyro.validation_enabled(False):
+                poutine.block(self.model, hide_fn=lambda msg: msg["name"] not in covered)(*args, **kwargs)
+        except AllProposed:
+            pass
 
     def global_value(self, layout: SiteLayout, globals_flat: torch.Tensor) -> dist.Delta:
         """The ``Delta`` of global site ``layout`` at the auxiliary site's value, with its log-Jacobian."""
@@ -664,6 +669,8 @@ class ProposalMessenger(Messenger):
         layout = self.layouts.get(msg["name"])
         if layout is None:
             return
+        if len(self.values) == len(self.layouts) - 1 and layout.name not in self.values:
+            _stop_after(msg)
         scope = msg["infer"].get("_markov_scope")
         if scope is not None:
             # the model's markov contexts saw the sites this guide hides (observations): TMC never
@@ -695,6 +702,26 @@ class ProposalMessenger(Messenger):
             parts.append(self.globals_flat)
         parts += [self.layouts[p].unconstrained(self.values[p]) for p in self.proposal.parents[layout.name]]
         return _concatenated(parts, layout.batch_shape)
+
+
+class AllProposed(Exception):
+    """Every covered site is drawn: the guide's run of the model stops (:func:`_stop_after`)."""
+
+
+def _stop_after(msg: Message) -> None:
+    """
+    Stop the model once every messenger has processed ``msg``'s site: its continuation, which Pyro
+    calls after the last postprocess, raises :class:`AllProposed` (each messenger's ``__exit__``
+    takes it off the stack on the way out).
+    """
+    previous = msg.get("continuation")
+
+    def stop(msg: Message) -> None:
+        if previous is not None:
+            previous(msg)
+        raise AllProposed
+
+    msg["continuation"] = stop
 
 
 # -- fitting -------------------------------------------------------------------------------------

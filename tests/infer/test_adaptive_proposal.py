@@ -455,3 +455,25 @@ def test_the_guide_does_not_score_a_chain_s_previous_steps():
         for _ in range(20)
     ]
     assert all(math.isfinite(loss) for loss in losses)
+
+
+def test_the_guide_stops_the_model_after_its_last_covered_site(float64):
+    """What follows the last latent (the likelihood) is the model's to compute, not the guide's."""
+    ran_to_the_end = []
+
+    def model(x):
+        theta = pyro.sample("theta", dist.Normal(0.0, 1.0))
+        with pyro.plate("data", len(x), dim=-1):
+            z = pyro.sample("z", dist.Normal(theta, 1.0))
+            ran_to_the_end.append(True)
+            pyro.sample("x", dist.Normal(z, 1.0), obs=x)
+
+    x = torch.tensor(toy_data(5))
+    proposal = AdaptiveProposal(model, x)
+    ran_to_the_end.clear()
+    trace = pyro.poutine.trace(proposal).get_trace(x)
+    assert not ran_to_the_end and not pyro.poutine.runtime.am_i_wrapped()
+    assert {"theta", "z"} <= {name for name, site in trace.nodes.items() if site["type"] == "sample"}
+    elbo = TMC_ELBO(num_samples=8, max_plate_nesting=1)
+    assert math.isfinite(elbo.loss(model, proposal, x)) and not pyro.poutine.runtime.am_i_wrapped()
+    assert ran_to_the_end  # the model's own runs, under TMC, reach it
