@@ -30,6 +30,7 @@ import torch
 import pyro
 from pyro.infer import SVI
 from pyro.infer.autoguide import AutoNormal
+from pyro.infer.util import is_validation_enabled
 
 from pyro_tmc.estimate.vectorized_markov import find_time_links
 from pyro_tmc.infer.adaptation import WIDEN_GLOBALS, WIDEN_LOCALS, adapt
@@ -148,21 +149,28 @@ def fit_posterior(
             global_samples,
         )
     proposal = guide
+    # Pyro's checks of every distribution's arguments and values (when on) cost a pass over each: half
+    # of an item response theory draw, over its 41 million logits. The fit's hundreds of draws run the
+    # same model, so once it has run checked (training, or the Laplace start's draws), they run
+    # unchecked; a factor that is not finite is still reported with its site.
+    checked = bool(num_steps)
     if adapt_rounds:
-        proposal = adapted_proposal(
-            model,
-            guide,
-            args,
-            kwargs,
-            adapt_rounds,
-            adapt_draws,
-            adapt_samples,
-            max_plate_nesting,
-            progress,
-            start=start,
-            global_samples=global_samples,
-        )
+        with pyro.validation_enabled(is_validation_enabled() and not checked):
+            proposal = adapted_proposal(
+                model,
+                guide,
+                args,
+                kwargs,
+                adapt_rounds,
+                adapt_draws,
+                adapt_samples,
+                max_plate_nesting,
+                progress,
+                start=start,
+                global_samples=global_samples,
+            )
         history["adaptation"] = proposal.history
+        checked = True
     readout = TMC_ELBO(num_samples=readout_samples, max_plate_nesting=nesting)
     draws = []
     for _ in _bar(range(max(num_draws, max_draws)), "read-out", progress):
@@ -172,7 +180,7 @@ def fit_posterior(
             and small_enough(model, draws, target_error)
         ):
             break
-        with torch.no_grad():
+        with torch.no_grad(), pyro.validation_enabled(is_validation_enabled() and not (checked or draws)):
             draw = readout.draw(model, proposal, *args, **kwargs)
         draws.append(read_draw(draw, samples_per_draw))
     history["readout_draws"] = len(draws)

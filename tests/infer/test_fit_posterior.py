@@ -356,3 +356,36 @@ def test_the_mean_error_quantiles_see_correlated_dims():
     average, worst = independent.mean_error_quantiles()
     assert 0.85 * se < average < 1.15 * se
     assert 2.5 * se < worst < 4.0 * se  # the largest of 30 independent errors
+
+
+@pytest.mark.parametrize("validation", [True, False])
+def test_only_the_first_draw_is_validated(validation):
+    """Pyro's checks (when on) cost a pass over every argument: the read-out checks its first draw only."""
+    checks = []
+
+    class CheckedPoisson(dist.Poisson):
+        def _validate_sample(self, value):
+            checks.append(value.shape)
+            return super()._validate_sample(value)
+
+    def model(y):
+        mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+        with pyro.plate("groups", len(y)):
+            pyro.sample("y", CheckedPoisson(mu.exp()), obs=y)
+
+    def prior(y):
+        pyro.sample("mu", dist.Normal(0.0, 1.0))
+
+    counts = []
+    counts_data = torch.tensor([1.0, 0.0, 3.0, 2.0, 1.0])
+    with pyro.validation_enabled(validation):
+        for draws in (2, 6):
+            checks.clear()
+            pyro.set_rng_seed(0)
+            fit_posterior(
+                model, counts_data, guide=prior, num_steps=0, adapt_rounds=0, readout_samples=4,
+                num_draws=draws, max_draws=draws, samples_per_draw=0, max_plate_nesting=1, progress=False,
+            )  # fmt: skip
+            counts.append(len(checks))
+        assert pyro.infer.util.is_validation_enabled() == validation  # the user's setting, restored
+    assert counts[0] == counts[1] and (counts[0] > 0) == validation
