@@ -18,7 +18,7 @@ from pyro.infer.elbo import ELBO
 from pyro.ops.rings import LogRing
 from pyro.poutine.enum_messenger import EnumMessenger
 from pyro.poutine.handlers import _make_handler
-from pyro.poutine.runtime import _ENUM_ALLOCATOR
+from pyro.poutine.runtime import _ENUM_ALLOCATOR, _PYRO_STACK
 
 
 def make_handler(messenger_class: type, module: str) -> Callable:
@@ -28,6 +28,17 @@ def make_handler(messenger_class: type, module: str) -> Callable:
     the way Pyro builds its own.
     """
     return _make_handler(messenger_class, module=module)
+
+
+def messengers_inside(messenger) -> list:
+    """
+    The messengers entered after ``messenger`` and still on Pyro's stack (those inside it, nearest
+    first: a model's plates, a ``poutine.block``); empty where it is not on the stack. Pyro keeps
+    the stack private (``_PYRO_STACK``); an exception raised inside ``messenger`` unwinds these.
+    """
+    if messenger not in _PYRO_STACK:
+        return []
+    return list(reversed(_PYRO_STACK[_PYRO_STACK.index(messenger) + 1 :]))
 
 
 def allocate_particle_dim(avoid: Collection[int], recyclable: bool) -> tuple[int, int]:

@@ -57,9 +57,11 @@ from pyro import poutine
 from pyro.distributions.util import sum_rightmost
 from pyro.infer.inspect import TrackProvenance
 from pyro.ops.provenance import get_provenance
+from pyro.poutine.block_messenger import BlockMessenger
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.runtime import Message
 
+from pyro_tmc._pyro import messengers_inside
 from pyro_tmc.estimate.vectorized_markov import find_time_links
 from pyro_tmc.infer.chain_proposal import ChainProposal
 from pyro_tmc.poutine.sites import plate_nesting
@@ -669,7 +671,7 @@ class ProposalMessenger(Messenger):
         layout = self.layouts.get(msg["name"])
         if layout is None:
             return
-        if len(self.values) == len(self.layouts) - 1 and layout.name not in self.values:
+        if len(self.values) == len(self.layouts) - 1 and layout.name not in self.values and self._can_stop():
             _stop_after(msg)
         scope = msg["infer"].get("_markov_scope")
         if scope is not None:
@@ -688,6 +690,15 @@ class ProposalMessenger(Messenger):
             )
             return
         msg["fn"] = self.proposal.local_distribution(layout, self._regressors(layout))
+
+    def _can_stop(self) -> bool:
+        """
+        Whether the model can stop here (:func:`_stop_after`): only within plates and the guide's
+        block, whose ``with`` blocks unwind at once. A loop of ``pyro.markov`` or ``vectorized_markov``
+        is a generator whose messenger would leave the stack only when it is collected, and funsor's
+        dims with it, in the middle of whatever runs then.
+        """
+        return all(type(inner) in (BlockMessenger, pyro.plate) for inner in messengers_inside(self))
 
     def _pyro_post_sample(self, msg: Message) -> None:
         if msg["name"] in self.layouts:

@@ -477,3 +477,21 @@ def test_the_guide_stops_the_model_after_its_last_covered_site(float64):
     elbo = TMC_ELBO(num_samples=8, max_plate_nesting=1)
     assert math.isfinite(elbo.loss(model, proposal, x)) and not pyro.poutine.runtime.am_i_wrapped()
     assert ran_to_the_end  # the model's own runs, under TMC, reach it
+
+
+def test_the_guide_runs_a_markov_loop_to_its_end(float64):
+    """A loop's messenger leaves Pyro's stack only when its generator is collected: no stop inside one."""
+    ran_to_the_end = []
+
+    def model(x):
+        previous = pyro.sample("z_0", dist.Normal(0.0, 1.0))
+        for t in pyro.markov(range(1, len(x))):
+            previous = pyro.sample(f"z_{t}", dist.Normal(previous, 1.0))
+            pyro.sample(f"x_{t}", dist.Normal(previous, 1.0), obs=x[t])
+        ran_to_the_end.append(True)
+
+    x = torch.tensor(toy_data(4))
+    proposal = AdaptiveProposal(model, x, num_prior_draws=10)
+    ran_to_the_end.clear()
+    pyro.poutine.trace(proposal).get_trace(x)
+    assert ran_to_the_end and not pyro.poutine.runtime.am_i_wrapped()
