@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 import pyro
+from pyro.distributions import MaskedDistribution
 from pyro.infer.elbo import ELBO
 from pyro.ops.rings import LogRing
 from pyro.poutine.enum_messenger import EnumMessenger
@@ -32,13 +33,18 @@ def make_handler(messenger_class: type, module: str) -> Callable:
 
 def messengers_inside(messenger) -> list:
     """
-    The messengers entered after ``messenger`` and still on Pyro's stack (those inside it, nearest
-    first: a model's plates, a ``poutine.block``); empty where it is not on the stack. Pyro keeps
+    The messengers entered after ``messenger`` and still on Pyro's stack (those inside it: a model's
+    plates, a ``poutine.block``); empty where it is not on the stack. Pyro keeps
     the stack private (``_PYRO_STACK``); an exception raised inside ``messenger`` unwinds these.
     """
     if messenger not in _PYRO_STACK:
         return []
-    return list(reversed(_PYRO_STACK[_PYRO_STACK.index(messenger) + 1 :]))
+    return _PYRO_STACK[_PYRO_STACK.index(messenger) + 1 :]
+
+
+def distribution_mask(fn: MaskedDistribution):
+    """A ``MaskedDistribution``'s mask: ``True``, ``False`` or a bool tensor (Pyro keeps it as ``_mask``)."""
+    return fn._mask
 
 
 def allocate_particle_dim(avoid: Collection[int], recyclable: bool) -> tuple[int, int]:
@@ -108,6 +114,7 @@ def missing_private_names() -> list[str]:
                 ["next_available_dim", "dim_to_id", "allocate"],
             ),
             (ELBO, "ELBO", list(ELBO_METHODS)),
+            (MaskedDistribution(pyro.distributions.Normal(0.0, 1.0), True), "MaskedDistribution", ["_mask"]),
             (LogRing, "LogRing", ["product"]),
             (pyro.get_param_store(), "ParamStoreDict", ["_params"]),
         ]

@@ -32,6 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch.distributions import Bernoulli, Distribution, Independent, Normal
 
+from pyro.distributions import MaskedDistribution
+
+from pyro_tmc._pyro import distribution_mask
 from pyro_tmc.ops.capture import is_tracing
 from pyro_tmc.ops.shapes import broadcast_shape
 
@@ -136,7 +139,7 @@ def bernoulli_logits_log_prob(fn: Distribution, value: torch.Tensor) -> Optional
     offset = torch.zeros((), dtype=logits.dtype, device=logits.device)
     if mask is not None:  # +inf where masked out: log sigmoid(s * logits + inf) = 0, gradient 0
         offset = torch.where(mask, offset, math.inf)
-    if torch.is_grad_enabled() and logits.requires_grad:
+    if (torch.is_grad_enabled() and logits.requires_grad) or len(shape) == event_dims:
         terms = F.logsigmoid(torch.addcmul(offset, sign, logits))
         return terms.sum(tuple(range(-event_dims, 0))) if event_dims else terms
     return _blockwise_log_sigmoid(offset, sign, logits, shape, event_dims)
@@ -147,10 +150,11 @@ def _unwrapped_bernoulli(fn: Distribution):
     event_dims, mask = 0, None
     if isinstance(fn, Independent) and type(fn).log_prob is Independent.log_prob:
         event_dims, fn = fn.reinterpreted_batch_ndims, fn.base_dist
-    if type(fn).__name__ == "MaskedDistribution" and hasattr(fn, "_mask"):
-        if fn._mask is False:
+    if isinstance(fn, MaskedDistribution) and type(fn).log_prob is MaskedDistribution.log_prob:
+        mask = distribution_mask(fn)
+        if mask is False:  # Pyro's zeros
             return event_dims, None, None
-        mask = None if fn._mask is True else _compact(fn._mask)
+        mask = None if mask is True else _compact(mask)
         fn = fn.base_dist
     if not isinstance(fn, Bernoulli) or type(fn).log_prob is not Bernoulli.log_prob:
         return event_dims, None, None
@@ -168,18 +172,14 @@ def _compact(tensor: torch.Tensor) -> torch.Tensor:
 
 def _blockwise_log_sigmoid(offset, sign, logits, shape, event_dims: int) -> torch.Tensor:
     """``log sigmoid(sign * logits + offset)`` summed over the event dims, a block of rows at a time."""
-    batch_rank = len(shape) - event_dims
-    result = logits.new_empty(shape[:batch_rank])
+    result = logits.new_empty(shape[: len(shape) - event_dims])
     operands = [t.reshape((1,) * (len(shape) - t.dim()) + tuple(t.shape)) for t in (offset, sign, logits)]
-    # blocks along the first batch dim whose rows hold at most BERNOULLI_BLOCK_TERMS (one row at least)
-    rows = max(1, BERNOULLI_BLOCK_TERMS // max(1, math.prod(shape[1:]))) if batch_rank else shape[0]
+    # blocks along the first (batch) dim whose rows hold at most BERNOULLI_BLOCK_TERMS (one row at least)
+    rows = max(1, BERNOULLI_BLOCK_TERMS // max(1, math.prod(shape[1:])))
     sum_dims = tuple(range(-event_dims, 0))
-    for start in range(0, shape[0] if batch_rank else 1, rows):
-        block = operands
-        if batch_rank:  # an operand broadcast along the first dim (size 1 there) is read whole
-            block = [t if t.shape[0] == 1 else t[start : start + rows] for t in operands]
+    for start in range(0, shape[0], rows):
+        # an operand broadcast along the first dim (size 1 there) is read whole
+        block = [t if t.shape[0] == 1 else t[start : start + rows] for t in operands]
         terms = F.logsigmoid(torch.addcmul(*block))
-        terms = terms.sum(sum_dims) if event_dims else terms
-        target = result[start : start + rows] if batch_rank else result
-        target.copy_(terms.expand(target.shape))
+        result[start : start + rows] = terms.sum(sum_dims) if event_dims else terms
     return result
