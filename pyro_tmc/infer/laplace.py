@@ -18,7 +18,9 @@ sampling: the globals' marginal mean and covariance, and each local's Gaussian c
 its regressors (the globals and its parents), whose mean is affine in them and whose variance is
 the conditional one.
 
-The Hessian costs one backward pass per coordinate (:data:`MAX_COORDINATES` bounds it), and it
+The Hessian costs one backward pass per coordinate (:data:`MAX_COORDINATES` bounds it), or, where
+the model's structure leaves most of its entries zero (a chain, a plate of locals), a few passes in
+all (:mod:`pyro_tmc.infer.sparse_hessian`; a ``vectorized_markov`` chain's band: :class:`ChainBand`); it
 exists only for a log density that is twice differentiable at the start and concave enough there:
 where it is not (a funnel's neck, a flat direction), :func:`laplace_approximation` returns ``None``
 and the caller keeps its start.
@@ -37,6 +39,7 @@ from pyro import poutine
 
 from pyro_tmc.infer.chain_proposal import chain_scan
 from pyro_tmc.infer.precision_factor import Factor, precision_factor, tridiagonal_factor
+from pyro_tmc.infer.sparse_hessian import HessianPattern, agrees_with_probe, coloured_hessian, hessian_pattern
 from pyro_tmc.poutine.sites import structure_trace
 
 #: coordinates above which the Hessian (one backward pass each) is not attempted
@@ -119,10 +122,11 @@ def laplace_approximation(
     if len(start) > MAX_COORDINATES or not _covers_every_latent(model, proposal, args, kwargs):
         return None
 
-    def log_density(u: torch.Tensor) -> torch.Tensor:
-        return log_joint(model, proposal, u, args, kwargs)
-
-    log_density.band = _chain_band(proposal)  # the Hessian's sparsity, where the model is a chain
+    band = _chain_band(proposal)  # the Hessian's sparsity, where the model is a vectorized chain
+    pattern = None
+    if band is None:  # else, where the model's structure leaves most entries zero
+        pattern = hessian_pattern(model, proposal, split_coordinates(proposal, start), args, kwargs, _scored)
+    log_density = LogJoint(model, proposal, args, kwargs, band, pattern)
 
     point, found, joint_steps = start.detach().double(), None, newton_steps
     derivatives = _derivatives(log_density, point)  # at the start: read by the first phase's first step
@@ -236,7 +240,7 @@ def _globals_marginal(
     chain = chain_derivatives_agree(log_density, conditional.point, free)
     conditional_mode = chain_mode if chain else _mode
     steps, found = MARGINAL_STEP * scale.double(), None
-    for _ in range(_marginal_iterations(num_globals, len(free), chain)):
+    for _ in range(_marginal_iterations(num_globals, _hessian_passes(log_density, len(free)), chain)):
         response = _locals_response(log_density, conditional, free)
         if response is None:
             return found
@@ -280,19 +284,25 @@ def _marginal_around(
     return marginal
 
 
-def _marginal_iterations(num_globals: int, num_coordinates: int, chain: bool) -> int:
+def _marginal_iterations(num_globals: int, hessian_passes: int, chain: bool) -> int:
     """
     The Newton steps on the globals' marginal affordable in :data:`MARGINAL_BACKWARD_PASSES`: each
     takes ``1 + 2G + G(G-1)/2`` conditional modes of up to ``MARGINAL_NEWTON_STEPS + 1`` Hessians,
-    each a backward pass per coordinate (four on a chain: a gradient and three products). At least
+    each ``hessian_passes`` backward passes (four on a chain: a gradient and three products). At
     most :data:`MARGINAL_ITERATIONS`: stochastic volatility's 2,516 days and eight schools get 12,
-    the unknown-scales walk 5, the 100-day volatility in ``pyro.markov`` (103 coordinates, no band)
-    none: one step there costs 5,150 passes (232 s of CPU, twice a fit: before training and after),
-    and 12 had taken over 40 minutes.
+    the unknown-scales walk 5. The 100-day volatility in ``pyro.markov`` (103 coordinates) got none
+    row by row: one step cost 5,150 passes (232 s of CPU), and 12 had taken over 40 minutes; its
+    sparse Hessian (:mod:`~pyro_tmc.infer.sparse_hessian`) takes 7 passes, and it gets 12.
     """
     evaluations = 1 + 2 * num_globals + num_globals * (num_globals - 1) // 2
-    passes = evaluations * (MARGINAL_NEWTON_STEPS + 1) * (4 if chain else num_coordinates)
+    passes = evaluations * (MARGINAL_NEWTON_STEPS + 1) * (4 if chain else hessian_passes)
     return min(MARGINAL_ITERATIONS, MARGINAL_BACKWARD_PASSES // passes)
+
+
+def _hessian_passes(log_density, num_coordinates: int) -> int:
+    """Backward passes :func:`_derivatives` takes for a Hessian (past the gradient's) of ``log_density``."""
+    pattern = getattr(log_density, "pattern", None)
+    return num_coordinates if pattern is None else pattern.passes
 
 
 def _rising(marginal, delta: torch.Tensor, value: float):
@@ -526,6 +536,11 @@ def _derivatives(log_density, point: torch.Tensor) -> Optional[tuple[float, torc
         value, gradient = first_order
         band = getattr(log_density, "band", None)
         banded = None if band is None else _banded_hessian(gradient, u, band)
+        pattern = getattr(log_density, "pattern", None)
+        if banded is None and pattern is not None:
+            banded = coloured_hessian(gradient, u, pattern)
+            if banded is None:  # its structure missed an entry: row by row from now on
+                log_density.pattern = None
         if banded is not None:
             return float(value.detach()), gradient.detach(), banded
         rows = []
@@ -600,7 +615,7 @@ def _banded_hessian(gradient: torch.Tensor, u: torch.Tensor, band: ChainBand) ->
         (result,) = torch.autograd.grad(
             gradient, u, grad_outputs=vector, retain_graph=True, allow_unused=True
         )
-        return torch.zeros_like(u) if result is None else result
+        return torch.zeros_like(u) if result is None else result.detach()
 
     n = len(u)
     globals_index = (band.colours < 0).nonzero().squeeze(-1)
@@ -612,11 +627,7 @@ def _banded_hessian(gradient: torch.Tensor, u: torch.Tensor, band: ChainBand) ->
     for colour, rows, columns in band.plan or _band_plan(band):
         hv = product((band.colours == colour).to(u.dtype)).detach()
         hessian[rows, columns] = hv[rows]
-    generator = torch.Generator().manual_seed(0)
-    probe = torch.randn(n, dtype=u.dtype, generator=generator)
-    exact = product(probe).detach()
-    # the model's float32 arithmetic differs between passes in the 7th digit; a missed entry, in the 1st
-    if not torch.allclose(hessian @ probe, exact, rtol=1e-4, atol=1e-6 * float(exact.abs().max())):
+    if not agrees_with_probe(hessian, product, u):
         return None
     return (hessian + hessian.T) / 2
 
@@ -632,13 +643,21 @@ def _by_site(band: ChainBand, members: torch.Tensor):
 class LogJoint:
     """
     :func:`log_joint` of ``model`` in ``proposal``'s coordinates, as a function of them alone, with the
-    Hessian's sparsity (``band``: a :class:`ChainBand`, or ``None``) that :func:`_derivatives` reads.
+    Hessian's sparsity that :func:`_derivatives` reads: ``band`` (a :class:`ChainBand`, or ``None``),
+    else ``pattern`` (a :class:`~pyro_tmc.infer.sparse_hessian.HessianPattern`, or ``None``: row by row).
     """
 
     def __init__(
-        self, model: Callable, proposal, args: tuple, kwargs: dict, band: Optional[ChainBand]
+        self,
+        model: Callable,
+        proposal,
+        args: tuple,
+        kwargs: dict,
+        band: Optional[ChainBand],
+        pattern: Optional[HessianPattern] = None,
     ) -> None:
         self.model, self.proposal, self.args, self.kwargs, self.band = model, proposal, args, kwargs, band
+        self.pattern = pattern
 
     def __call__(self, u: torch.Tensor) -> torch.Tensor:
         return log_joint(self.model, self.proposal, u, self.args, self.kwargs)

@@ -354,9 +354,11 @@ def test_the_globals_marginal_of_a_funnel_integrates_its_locals(start):
 
 def test_the_globals_marginal_takes_no_step_it_cannot_afford():
     """
-    One step on 3 globals over 103 unbanded coordinates costs 5,150 backward passes, over the budget:
-    none is taken (at least one had doubled the 100-day volatility's fit); a chain's 2,516 days get 12.
+    One step on 3 globals over 103 unbanded coordinates read row by row costs 5,150 backward passes,
+    over the budget: none is taken (at least one had doubled the 100-day volatility's fit); by its
+    sparse Hessian's 8 passes, 12; a chain's 2,516 days get 12.
     """
     assert _marginal_iterations(3, 103, chain=False) == 0
+    assert _marginal_iterations(3, 8, chain=False) == 12
     assert _marginal_iterations(4, 2520, chain=True) == 12
     assert _marginal_iterations(2, 10, chain=False) == 12
