@@ -768,6 +768,18 @@ def errors(problem: Problem, estimate) -> dict[str, float]:
     }
 
 
+def worst_dims(problem: Problem, estimate) -> tuple[str, str]:
+    """The dims (``param`` or ``param[i]``) of the worst mean error and the worst sd ratio."""
+    mean_errors, sd_errors, dims = [], [], []
+    for param, (gold_mean, gold_sd) in problem.gold.items():
+        mean, sd = estimate[param]
+        mean_errors.append(np.reshape(np.abs(mean - gold_mean) / gold_sd, -1))
+        sd_errors.append(np.reshape(np.abs(sd / gold_sd - 1), -1))
+        dims += [param] if np.ndim(gold_mean) == 0 else [f"{param}[{i}]" for i in range(np.size(gold_mean))]
+    mean_errors, sd_errors = np.concatenate(mean_errors), np.concatenate(sd_errors)
+    return dims[int(mean_errors.argmax())], dims[int(sd_errors.argmax())]
+
+
 # -- the run -----------------------------------------------------------------------------------
 
 
@@ -812,6 +824,7 @@ def run(
     # on a shared machine the process's CPU time is the steadier figure (1 thread: at most the wall)
     note += f"; CPU {time.process_time() - cpu_start:.0f} s"
     row = dict(errors(problem, estimate), model=model, method=method, seed=seed, seconds=seconds, note=note)
+    row["note"] += "; worst mean at {}, worst sd at {}".format(*worst_dims(problem, estimate))
     row["setup"] = describe(method, settings)
     row["khat"] = extras.get("khat", math.nan)
     row["flagged"] = extras.get("flagged")
