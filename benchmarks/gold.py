@@ -775,7 +775,7 @@ def worst_dims(problem: Problem, estimate) -> tuple[str, str]:
         mean, sd = estimate[param]
         mean_errors.append(np.reshape(np.abs(mean - gold_mean) / gold_sd, -1))
         sd_errors.append(np.reshape(np.abs(sd / gold_sd - 1), -1))
-        dims += [param] if np.ndim(gold_mean) == 0 else [f"{param}[{i}]" for i in range(np.size(gold_mean))]
+        dims += [param] if np.size(gold_mean) == 1 else [f"{param}[{i}]" for i in range(np.size(gold_mean))]
     mean_errors, sd_errors = np.concatenate(mean_errors), np.concatenate(sd_errors)
     return dims[int(mean_errors.argmax())], dims[int(sd_errors.argmax())]
 
