@@ -2,6 +2,12 @@
 
     python benchmarks/numpyro_volatility.py --seed 3                 # 100,000 draws, about a minute
     python benchmarks/numpyro_volatility.py --seed 3 --draws 20000
+    python benchmarks/numpyro_volatility.py --seed 3 4 5 \\
+        --out benchmarks/results/stochastic_volatility_small_numpyro.json
+
+With ``--out``, the runs' draws are pooled and every gold parameter's mean and sd (the three globals and
+the 100 days, as gym parameters) written as JSON: ``benchmarks/gold.py`` scores its 100-day volatility
+rows against it too ("vs NumPyro"), beside the gold.
 
 Needs the ``peers`` extra (NumPyro and JAX; ``pip install -e ".[peers]"``) and Inference Gym's data
 (``pip install --no-deps inference-gym``). The model is ``benchmarks/gold.py``'s
@@ -18,6 +24,7 @@ left tail (kurtosis 9.6), which is where the gold and these runs part.
 """
 
 import argparse
+import json
 import time
 
 import numpy as np
@@ -33,7 +40,8 @@ def returns_of_the_last(num_days: int = 100) -> np.ndarray:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, nargs="+", default=[0], help="one run per seed")
+    parser.add_argument("--out", help="a JSON file for the pooled moments")
     parser.add_argument("--draws", type=int, default=100_000)
     parser.add_argument("--warmup", type=int, default=3000)
     parser.add_argument("--target-accept", type=float, default=0.95)
@@ -68,21 +76,36 @@ def main() -> None:
         "white_noise_shock_scale": 0.5,
         "log_volatility": np.full(len(returns), start_value),
     }
-    kernel = NUTS(model, target_accept_prob=options.target_accept, init_strategy=init_to_value(values=start))
-    mcmc = MCMC(kernel, num_warmup=options.warmup, num_samples=options.draws, progress_bar=False)
-    began = time.perf_counter()
-    mcmc.run(jax.random.PRNGKey(options.seed), jnp.asarray(returns), extra_fields=("diverging",))
-    samples = mcmc.get_samples()
-    divergences = int(mcmc.get_extra_fields()["diverging"].sum())
-    print(f"seed {options.seed}: {time.perf_counter() - began:.0f} s, {divergences} divergences")
-    values = {
-        "persistence_of_volatility": 2 * np.asarray(samples["persistence_01"]) - 1,
-        "mean_log_volatility": np.asarray(samples["mean_log_volatility"]),
-        "white_noise_shock_scale": np.asarray(samples["white_noise_shock_scale"]),
-    }
-    for name, value in values.items():
-        effective = float(effective_sample_size(value[None]))
-        print(f"{name}: mean {value.mean():.4f}, sd {value.std():.4f}, effective draws {effective:.0f}")
+    pooled = []
+    for seed in options.seed:
+        kernel = NUTS(
+            model, target_accept_prob=options.target_accept, init_strategy=init_to_value(values=start)
+        )
+        mcmc = MCMC(kernel, num_warmup=options.warmup, num_samples=options.draws, progress_bar=False)
+        began = time.perf_counter()
+        mcmc.run(jax.random.PRNGKey(seed), jnp.asarray(returns), extra_fields=("diverging",))
+        samples = mcmc.get_samples()
+        divergences = int(mcmc.get_extra_fields()["diverging"].sum())
+        print(f"seed {seed}: {time.perf_counter() - began:.0f} s, {divergences} divergences")
+        values = {
+            "persistence_of_volatility": 2 * np.asarray(samples["persistence_01"]) - 1,
+            "mean_log_volatility": np.asarray(samples["mean_log_volatility"]),
+            "white_noise_shock_scale": np.asarray(samples["white_noise_shock_scale"]),
+        }
+        for name, value in values.items():
+            effective = float(effective_sample_size(value[None]))
+            print(f"{name}: mean {value.mean():.4f}, sd {value.std():.4f}, effective draws {effective:.0f}")
+        values["log_volatility"] = np.asarray(samples["log_volatility"])
+        pooled.append(values)
+    if options.out:
+        moments = {}
+        for name in pooled[0]:
+            draws = np.concatenate([values[name] for values in pooled])
+            moments[name] = {"mean": draws.mean(0).tolist(), "sd": draws.std(0).tolist()}
+        moments["draws"] = len(options.seed) * options.draws
+        with open(options.out, "w") as handle:
+            json.dump(moments, handle, indent=1)
+        print(f"pooled moments of {moments['draws']} draws written to {options.out}")
 
 
 if __name__ == "__main__":
