@@ -75,7 +75,7 @@ def fit_posterior(
     readout_samples: int = 32,
     num_draws: int = 100,
     max_draws: int = 1000,
-    target_error: float = 0.015,
+    target_error: float = 0.01,
     samples_per_draw: int = 10,
     max_plate_nesting: Optional[int] = None,
     progress: bool = True,
@@ -117,7 +117,9 @@ def fit_posterior(
         bound above the target (the volatility's worst day 0.16-0.24 gold sd off, its bound 0.29-0.35).
     :param float target_error: the read-out's Monte Carlo error allowed, in posterior sds: with
         probability 0.95 the means' error averaged over every dim at most this, and the worst dim's at
-        most 5 times this, the dims' errors drawn jointly (correlated, as a chain's steps are):
+        most 5 times this, the dims' errors drawn jointly (correlated, as a chain's steps are). At 0.015
+        the 30-step Brownian motion's seed 1 stopped at 460 draws 0.022 sd off its exact posterior (the
+        gold targets: 0.02); at 0.01, 0.007 in 1,000 draws:
         :meth:`~pyro_tmc.infer.tmc_posterior.TMCPosterior.mean_error_quantiles`.
     :param int samples_per_draw: exact joint draws kept from each read-out draw (for
         :meth:`~TMCPosterior.sample`, :meth:`~TMCPosterior.to_arviz` and the predictive).
