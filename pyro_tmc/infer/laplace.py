@@ -39,7 +39,7 @@ from pyro import poutine
 
 from pyro_tmc.infer.chain_proposal import chain_scan
 from pyro_tmc.infer.precision_factor import Factor, precision_factor, tridiagonal_factor
-from pyro_tmc.infer.sparse_hessian import HessianPattern, agrees_with_probe, coloured_hessian, hessian_pattern
+from pyro_tmc.infer.sparse_hessian import HessianPattern, coloured_hessian, hessian_pattern
 from pyro_tmc.poutine.sites import structure_trace
 
 #: coordinates above which the Hessian (one backward pass each) is not attempted
@@ -126,7 +126,7 @@ def laplace_approximation(
     pattern = None
     if band is None:  # else, where the model's structure leaves most entries zero
         pattern = hessian_pattern(model, proposal, split_coordinates(proposal, start), args, kwargs, _scored)
-    log_density = LogJoint(model, proposal, args, kwargs, band, pattern)
+    log_density = LogJoint(model, proposal, args, kwargs, band, pattern)  # a band's pattern: its own
 
     point, found, joint_steps = start.detach().double(), None, newton_steps
     derivatives = _derivatives(log_density, point)  # at the start: read by the first phase's first step
@@ -534,15 +534,12 @@ def _derivatives(log_density, point: torch.Tensor) -> Optional[tuple[float, torc
         if first_order is None:
             return None
         value, gradient = first_order
-        band = getattr(log_density, "band", None)
-        banded = None if band is None else _banded_hessian(gradient, u, band)
         pattern = getattr(log_density, "pattern", None)
-        if banded is None and pattern is not None:
-            banded = coloured_hessian(gradient, u, pattern)
-            if banded is None:  # its structure missed an entry: row by row from now on
-                log_density.pattern = None
-        if banded is not None:
-            return float(value.detach()), gradient.detach(), banded
+        sparse = None if pattern is None else coloured_hessian(gradient, u, pattern)
+        if sparse is not None:
+            return float(value.detach()), gradient.detach(), sparse
+        if pattern is not None:  # its structure missed an entry: row by row from now on
+            log_density.pattern = None
         rows = []
         for i in range(len(u)):
             (row,) = torch.autograd.grad(gradient[i], u, retain_graph=True, allow_unused=True)
@@ -606,30 +603,21 @@ def _banded_hessian(gradient: torch.Tensor, u: torch.Tensor, band: ChainBand) ->
     """
     The Hessian from a column per global and one Hessian-vector product per colour (7 backward passes
     for a chain with 4 globals, not one per coordinate: 2,519 for stochastic volatility's), each
-    chain row's entries read at the steps next to it, which carry distinct colours. Checked against
-    one more product with a random vector; ``None`` (do it row by row) where they disagree: a model
-    whose chain coordinates meet more than their neighbours.
+    chain row's entries read at the steps next to it, which carry distinct colours: the band's
+    :func:`band_pattern` through :func:`~pyro_tmc.infer.sparse_hessian.coloured_hessian`, ``None`` (do
+    it row by row) where its check disagrees: a model whose chain coordinates meet more than their
+    neighbours.
     """
+    return coloured_hessian(gradient, u, band_pattern(band))
 
-    def product(vector):
-        (result,) = torch.autograd.grad(
-            gradient, u, grad_outputs=vector, retain_graph=True, allow_unused=True
-        )
-        return torch.zeros_like(u) if result is None else result.detach()
 
-    n = len(u)
-    globals_index = (band.colours < 0).nonzero().squeeze(-1)
-    hessian = torch.zeros(n, n, dtype=u.dtype)
-    for g in globals_index.tolist():
-        column = product(torch.nn.functional.one_hot(torch.tensor(g), n).to(u.dtype))
-        hessian[:, g] = column.detach()
-        hessian[g, :] = column.detach()
-    for colour, rows, columns in band.plan or _band_plan(band):
-        hv = product((band.colours == colour).to(u.dtype)).detach()
-        hessian[rows, columns] = hv[rows]
-    if not agrees_with_probe(hessian, product, u):
-        return None
-    return (hessian + hessian.T) / 2
+def band_pattern(band: ChainBand) -> HessianPattern:
+    """A chain's band as a :class:`~pyro_tmc.infer.sparse_hessian.HessianPattern`: globals, colours."""
+    dense = (band.colours < 0).nonzero().squeeze(-1)
+    plan = tuple(
+        (band.colours == colour, rows, columns) for colour, rows, columns in band.plan or _band_plan(band)
+    )
+    return HessianPattern(dense, plan, len(dense) + len(plan) + 1)
 
 
 def _by_site(band: ChainBand, members: torch.Tensor):
@@ -643,8 +631,9 @@ def _by_site(band: ChainBand, members: torch.Tensor):
 class LogJoint:
     """
     :func:`log_joint` of ``model`` in ``proposal``'s coordinates, as a function of them alone, with the
-    Hessian's sparsity that :func:`_derivatives` reads: ``band`` (a :class:`ChainBand`, or ``None``),
-    else ``pattern`` (a :class:`~pyro_tmc.infer.sparse_hessian.HessianPattern`, or ``None``: row by row).
+    Hessian's sparsity: ``band`` (a :class:`ChainBand`, or ``None``), which :func:`chain_derivatives`
+    reads, and ``pattern`` (a :class:`~pyro_tmc.infer.sparse_hessian.HessianPattern`; ``None``: the
+    band's, :func:`band_pattern`, else row by row), which :func:`_derivatives` reads.
     """
 
     def __init__(
@@ -657,7 +646,7 @@ class LogJoint:
         pattern: Optional[HessianPattern] = None,
     ) -> None:
         self.model, self.proposal, self.args, self.kwargs, self.band = model, proposal, args, kwargs, band
-        self.pattern = pattern
+        self.pattern = band_pattern(band) if pattern is None and band is not None else pattern
 
     def __call__(self, u: torch.Tensor) -> torch.Tensor:
         return log_joint(self.model, self.proposal, u, self.args, self.kwargs)

@@ -195,10 +195,11 @@ def greedy_colours(conflicts: torch.Tensor) -> torch.Tensor:
 def _plan(structure: torch.Tensor, rest: torch.Tensor, colours: torch.Tensor) -> tuple:
     """Per colour: its members' mask, and the (row, column) of each entry its product holds."""
     n = len(structure)
+    rest_rows = structure[rest]
     plan = []
     for colour in range(int(colours.max()) + 1 if len(rest) else 0):
         members = rest[colours == colour]
-        rows, positions = structure[rest][:, members].nonzero(as_tuple=True)
+        rows, positions = rest_rows[:, members].nonzero(as_tuple=True)
         mask = torch.zeros(n, dtype=torch.bool)
         mask[members] = True
         plan.append((mask, rest[rows], members[positions]))
@@ -227,12 +228,12 @@ def coloured_hessian(
         hessian[column, :] = values
     for members, rows, columns in pattern.plan:
         hessian[rows, columns] = product(members.to(u.dtype))[rows]
-    if not agrees_with_probe(hessian, product, u):
+    if not _agrees_with_probe(hessian, product, u):
         return None
     return (hessian + hessian.T) / 2
 
 
-def agrees_with_probe(hessian: torch.Tensor, product: Callable, u: torch.Tensor) -> bool:
+def _agrees_with_probe(hessian: torch.Tensor, product: Callable, u: torch.Tensor) -> bool:
     """Whether ``hessian`` times a fixed random vector equals ``product`` of it (one more backward pass)."""
     generator = torch.Generator().manual_seed(0)
     probe = torch.randn(len(u), dtype=u.dtype, generator=generator)

@@ -9,11 +9,13 @@ import pyro.distributions as dist
 from pyro_tmc.infer.adaptive_proposal import AdaptiveProposal
 from pyro_tmc.infer.laplace import LogJoint, _derivatives, _scored, proposal_mean, split_coordinates
 from pyro_tmc.infer.sparse_hessian import greedy_colours, hessian_pattern, nonzero_structure
+from tests.common.adaptation_models import FUNNEL_Y, funnel_model
 
 pytestmark = pytest.mark.quick
 
 RETURNS = torch.tensor([0.3, -1.2, 0.8, 2.1, -0.4, 0.1, -0.9, 1.6, 0.2, -0.3, 1.1, -2.0])
 EFFECTS = torch.tensor([2.0, -1.0, 0.5, 3.0, 1.5])
+SCHOOLS = torch.tensor(FUNNEL_Y)  # eight schools: a plate of locals on two globals
 
 
 def volatility(returns):
@@ -25,15 +27,6 @@ def volatility(returns):
     for t in pyro.markov(range(len(returns))):
         x = pyro.sample(f"x_{t}", dist.Normal(mean + persistence * (x - mean), shock))
         pyro.sample(f"r_{t}", dist.Normal(0.0, (x / 2).exp()), obs=returns[t])
-
-
-def schools(effects):
-    """A plate of locals on two globals: the locals meet only the globals and themselves."""
-    mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
-    log_tau = pyro.sample("log_tau", dist.Normal(0.0, 1.0))
-    with pyro.plate("schools", len(effects)):
-        theta = pyro.sample("theta", dist.Normal(mu, log_tau.exp()))
-        pyro.sample("y", dist.Normal(theta, 1.0), obs=effects)
 
 
 def crossed(effects):
@@ -74,7 +67,7 @@ def row_by_row(model, proposal, data, point):
     "model, data, nesting, most_passes",
     [
         (volatility, RETURNS, 0, 3 + 4 + 1),
-        (schools, EFFECTS, 1, 2 + 1 + 1),
+        (funnel_model, SCHOOLS, 1, 2 + 1 + 1),
         (crossed, EFFECTS, 2, 1 + 3 + 1 + 1),
     ],
     ids=["markov chain", "plate", "crossed plates"],
@@ -83,7 +76,7 @@ def test_the_coloured_hessian_is_the_row_by_row_one(model, data, nesting, most_p
     """
     From the dense columns and a product per colour, the Hessian equals the one read row by row, in
     fewer passes than one per coordinate: the chain's 15 coordinates in 3 global columns and at most
-    4 colours of days (a band's distance-2 colouring needs 3), the plate's 7 in 2 columns and one
+    4 colours of days (a band's distance-2 colouring needs 3), the plate's 10 in 2 columns and one
     colour, the crossed plates' 9 in the global's and the rows' columns and one colour of columns.
     """
     proposal, point, pattern = setting(model, data, nesting)
