@@ -88,6 +88,7 @@ from pyro.infer.autoguide import (
 
 from pyro_tmc import IWAE_ELBO, QEM, TMC_ELBO, TMC_RWS, QEMGuide
 from pyro_tmc.infer import family_khat_threshold, fit_posterior, posterior_moments
+from pyro_tmc.infer.tmc_posterior import MEAN_ERROR_TOLERANCE, STDDEV_ERROR_TOLERANCE
 from pyro_tmc.poutine.sites import structure_trace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -526,14 +527,18 @@ def run_fit_posterior(problem: Problem, settings: Settings, progress):
     moments = {name: (site.mean, site.stddev) for name, site in posterior.moments.items()}
     diagnostics = posterior.diagnostics(warn=False)
     worst = max(diagnostics.site_khat, key=diagnostics.site_khat.get)
-    average, worst_error = posterior.history["mean_error_quantiles"]
+    average, worst_error = diagnostics.error_bounds["mean"]
+    sd_average, sd_worst = diagnostics.error_bounds["stddev"]
     limit = site_limit_note(diagnostics.site_threshold[worst], diagnostics.num_tests)
     note = (
         f"k-hat {diagnostics.khat:.2f} (worst site {worst}: {diagnostics.site_khat[worst]:.2f}; "
         f"draws {diagnostics.khat_draws:.2f}); {limit}; "
         f"eff. draws {diagnostics.effective_draws:.1f}; "
-        f"{posterior.history['readout_draws']} draws, MC error (95%) {average:.3f} / {worst_error:.3f}"
+        f"{posterior.history['readout_draws']} draws, MC error (95%) {average:.3f} / {worst_error:.3f}, "
+        f"sds {sd_average:.3f} / {sd_worst:.3f}"
     )
+    if diagnostics.untrusted:
+        note += f"; untrusted: {', '.join(diagnostics.untrusted)}"
     extras = {"khat": diagnostics.khat, "flagged": bool(diagnostics.untrusted)}
     return site_moments_to_gym(problem, moments), note, extras
 
@@ -1101,12 +1106,29 @@ def rescored_flag(cells: Sequence[str], num_tests: int) -> tuple[Optional[bool],
         limit = family_khat_threshold(num_draws * READOUT_K, num_tests)
         assumed = "" if draws else f", {READOUT_MAX_DRAWS} draws assumed"
         extra = f"{site_limit_note(limit, num_tests)[:-1]}, rescored{assumed})"
+    if monte_carlo_flag(note):
+        return True, extra
     split = re.search(r"worst site \S+: (\S+); draws (\S+)\)", note)
     if split:
         return float(split[1]) > limit or float(split[2]) > 0.7, extra
     if not math.isfinite(khat):
         return None, extra
     return (False if khat <= 0.7 else True if khat > max(limit, 0.7) else None), extra
+
+
+def monte_carlo_flag(note: str) -> bool:
+    """
+    Whether the Monte Carlo error bounds a row's note stored pass the diagnostics' tolerances
+    (:data:`pyro_tmc.infer.tmc_posterior.MEAN_ERROR_TOLERANCE`, ``STDDEV_ERROR_TOLERANCE``); rows
+    stored before the sds' bound (no ``sds a / b``) are read on their means' bound alone.
+    """
+    means = re.search(r"MC error \(95%\) ([\d.]+) / ([\d.]+)", note)
+    sds = re.search(r"MC error \(95%\) [\d.]+ / [\d.]+, sds ([\d.]+) / ([\d.]+)", note)
+    passed = False
+    for found, (average, worst) in ((means, MEAN_ERROR_TOLERANCE), (sds, STDDEV_ERROR_TOLERANCE)):
+        if found:
+            passed |= float(found[1]) > average or float(found[2]) > worst
+    return passed
 
 
 def rescore(path: str) -> list[dict]:

@@ -44,8 +44,11 @@ from pyro_tmc.poutine.sites import structure_trace
 
 #: the particle group of the globals in training
 GLOBALS_GROUP = "fit_posterior_globals"
-#: read-out draws between checks of their standard errors
+#: read-out draws between checks of their standard errors, at least
 CHECK_EVERY = 20
+#: and at least this fraction of the draws so far: a check of a long chain's bounds draws 500 joint
+#: errors over every dim (2,516 days: about a second), so checks thin out as the draws grow
+CHECK_GROWTH = 0.1
 #: the largest sd (nats) of the draws' ``log P_TMC`` under the Laplace start at which training is
 #: skipped: draws that agree within a nat or so come from a proposal close to the posterior in
 #: every direction the estimate is sensitive to (for importance sampling, a log-weight sd of 1 keeps
@@ -74,8 +77,9 @@ def fit_posterior(
     adapt_samples: int = 32,
     readout_samples: int = 32,
     num_draws: int = 100,
-    max_draws: int = 1000,
+    max_draws: int = 2500,
     target_error: float = 0.01,
+    target_sd_error: float = 0.02,
     samples_per_draw: int = 10,
     max_plate_nesting: Optional[int] = None,
     progress: bool = True,
@@ -111,16 +115,21 @@ def fit_posterior(
     :param int readout_samples: K in the read-out.
     :param int num_draws: TMC draws read out and pooled, at least (at least 2; more than 20 for the draws'
         own k-hat).
-    :param int max_draws: TMC draws read out at most: past ``num_draws``, draws are added (20 at a time)
-        until the means' Monte Carlo error is small enough (``target_error``). At 400 the 2,516-day
-        volatility, the unknown-scales walk and item response theory stopped there with their own
-        bound above the target (the volatility's worst day 0.16-0.24 gold sd off, its bound 0.29-0.35).
-    :param float target_error: the read-out's Monte Carlo error allowed, in posterior sds: with
-        probability 0.95 the means' error averaged over every dim at most this, and the worst dim's at
-        most 5 times this, the dims' errors drawn jointly (correlated, as a chain's steps are). At 0.015
-        the 30-step Brownian motion's seed 1 stopped at 460 draws 0.022 sd off its exact posterior (the
-        gold targets: 0.02); at 0.01, 0.007 in 1,000 draws:
+    :param int max_draws: TMC draws read out at most: past ``num_draws``, draws are added (20 at a time,
+        or a tenth of those so far) until the moments' Monte Carlo error is small enough
+        (``target_error``, ``target_sd_error``; each check in ``history["error_checks"]``). At 1,000 the
+        100-day volatility stopped with its ``mean_log_volatility`` sd 10-25% off (its own bound 0.13-0.2);
+        at 400 the 2,516-day volatility, the unknown-scales walk and item response theory stopped with
+        their means' bound above the target.
+    :param float target_error: the read-out's Monte Carlo error allowed on the means, in posterior sds:
+        with probability 0.95 the means' error averaged over every dim at most this, and the worst dim's
+        at most 5 times this, the dims' errors drawn jointly (correlated, as a chain's steps are). At
+        0.015 the 30-step Brownian motion's seed 1 stopped at 460 draws 0.022 sd off its exact posterior
+        (the gold targets: 0.02); at 0.01, 0.007 in 1,000 draws:
         :meth:`~pyro_tmc.infer.tmc_posterior.TMCPosterior.mean_error_quantiles`.
+    :param float target_sd_error: the same for the sds, relative (0.02: the average sd within 2% and the
+        worst within 10% with probability 0.95; the gold targets: 3% and 10%):
+        :meth:`~pyro_tmc.infer.tmc_posterior.TMCPosterior.stddev_error_quantiles`.
     :param int samples_per_draw: exact joint draws kept from each read-out draw (for
         :meth:`~TMCPosterior.sample`, :meth:`~TMCPosterior.to_arviz` and the predictive).
     :param int max_plate_nesting: as in every Pyro ELBO (``None``: guessed from a first run).
@@ -176,34 +185,52 @@ def fit_posterior(
         history["adaptation"] = proposal.history
         checked = True
     readout = TMC_ELBO(num_samples=readout_samples, max_plate_nesting=nesting)
-    draws = []
+    draws, checks, next_check = [], [], num_draws
     for _ in _bar(range(max(num_draws, max_draws)), "read-out", progress):
-        if (
-            len(draws) >= num_draws
-            and len(draws) % CHECK_EVERY == 0
-            and small_enough(model, draws, target_error)
-        ):
-            break
+        if len(draws) >= next_check and len(draws) % CHECK_EVERY == 0:
+            checks.append(error_bounds(model, draws))
+            if small_enough(checks[-1], target_error, target_sd_error):
+                break
+            next_check = max(len(draws) + CHECK_EVERY, int(len(draws) * (1 + CHECK_GROWTH)))
         with torch.no_grad(), pyro.validation_enabled(is_validation_enabled() and not (checked or draws)):
             draw = readout.draw(model, proposal, *args, **kwargs)
         draws.append(read_draw(draw, samples_per_draw))
     history["readout_draws"] = len(draws)
+    history["error_checks"] = checks
     posterior = TMCPosterior(model, draws, args, kwargs, guide=proposal, history=history)
-    # what the stopping rule read, at the end: above target_error where max_draws stopped it first
+    # what the stopping rule read, at the end: above its targets where max_draws stopped it first
     posterior.history["mean_error_quantiles"] = posterior.mean_error_quantiles(ERROR_PROBABILITY)
+    posterior.history["stddev_error_quantiles"] = posterior.stddev_error_quantiles(ERROR_PROBABILITY)
     return posterior
 
 
-def small_enough(model, draws, target_error: float) -> bool:
+def error_bounds(model, draws) -> dict:
     """
-    Whether the pooled means' Monte Carlo error, which no diagnostic of the weights' tails shows,
-    is small enough to return: with probability :data:`ERROR_PROBABILITY`, the average error over
-    every dim of every site at most ``target_error`` posterior sds and the worst at most
-    :data:`WORST_TO_AVERAGE` times that, the dims' errors drawn jointly
-    (:meth:`~pyro_tmc.infer.tmc_posterior.TMCPosterior.mean_error_quantiles`).
+    The pooled draws' Monte Carlo error bounds, at probability :data:`ERROR_PROBABILITY`: ``draws``
+    (how many), ``mean`` and ``stddev`` (each the average and the worst dim's, in posterior sds and
+    relative, :meth:`~pyro_tmc.infer.tmc_posterior.TMCPosterior.mean_error_quantiles` and
+    :meth:`~pyro_tmc.infer.tmc_posterior.TMCPosterior.stddev_error_quantiles`).
     """
-    average, worst = TMCPosterior(model, draws).mean_error_quantiles(ERROR_PROBABILITY)
-    return average <= target_error and worst <= WORST_TO_AVERAGE * target_error
+    pooled = TMCPosterior(model, draws)
+    return {
+        "draws": len(draws),
+        "mean": pooled.mean_error_quantiles(ERROR_PROBABILITY),
+        "stddev": pooled.stddev_error_quantiles(ERROR_PROBABILITY),
+    }
+
+
+def small_enough(bounds: dict, target_error: float, target_sd_error: float) -> bool:
+    """
+    Whether the pooled moments' Monte Carlo error, which no diagnostic of the weights' tails shows,
+    is small enough to return (``bounds``: :func:`error_bounds`): with probability
+    :data:`ERROR_PROBABILITY`, the means' average error over every dim of every site at most
+    ``target_error`` posterior sds and the worst at most :data:`WORST_TO_AVERAGE` times that, and the
+    sds' relative error the same against ``target_sd_error``, the dims' errors drawn jointly.
+    """
+    return all(
+        average <= target and worst <= WORST_TO_AVERAGE * target
+        for (average, worst), target in ((bounds["mean"], target_error), (bounds["stddev"], target_sd_error))
+    )
 
 
 def train(

@@ -69,6 +69,15 @@ SITE_FALSE_ALARM = 0.05
 MAX_BOOTSTRAP_SITES = 20
 #: the draws' own k-hat needs more than this many draws (below it the tail holds 4 or fewer: no fit)
 MIN_DRAWS_FOR_KHAT = 20
+#: the Monte Carlo error bounds (95%) above which the diagnostics do not trust the moments
+#: (``"<monte carlo error>"``): the means' average and worst error over the dims, in posterior sds, and
+#: the sds' relative error, as the gold benchmark asks of a posterior (its targets). No k-hat sees
+#: this error: weights with a light tail (k-hat 0.3-0.5) still leave a heavy-tailed marginal's sd 10-25%
+#: off in 1,000 draws (the 100-day volatility's ``mean_log_volatility``, kurtosis 9.6)
+MEAN_ERROR_TOLERANCE = (0.02, 0.1)
+STDDEV_ERROR_TOLERANCE = (0.03, 0.1)
+#: the probability of the error bounds
+ERROR_BOUND_PROBABILITY = 0.95
 
 
 class ReadoutDraw(NamedTuple):
@@ -113,6 +122,20 @@ def read_draw(draw, samples_per_draw: int) -> ReadoutDraw:
     return ReadoutDraw(log_estimate.detach().double().reshape(()), firsts, seconds, log_weights, samples)
 
 
+def _error_quantiles(influence: torch.Tensor, probability: float, num_samples: int) -> tuple[float, float]:
+    """
+    The ``probability`` quantiles of the average and the largest ``|error|`` over the dims of a pooled
+    estimate whose error is ``sum_r z_r influence_r`` (``influence``: ``(R, D)``), the ``z_r``
+    independent standard Normals, drawn ``num_samples`` times from a generator seeded 0.
+    """
+    generator = torch.Generator().manual_seed(0)
+    normals = torch.randn(num_samples, influence.shape[0], dtype=torch.float64, generator=generator)
+    errors = (normals @ influence).abs()
+    average = torch.quantile(errors.mean(-1), probability)
+    worst = torch.quantile(errors.max(-1).values, probability)
+    return float(average), float(worst)
+
+
 class Diagnostics(NamedTuple):
     """
     How far a :class:`TMCPosterior` can be trusted (:meth:`TMCPosterior.diagnostics`).
@@ -135,6 +158,11 @@ class Diagnostics(NamedTuple):
     :ivar int num_tests: how many k-hats the sites' thresholds allow for (every plate element of every
         particle site).
     :ivar float false_alarm: the probability that any site is flagged when every true k is at most 0.7.
+    :ivar dict error_bounds: ``"mean"`` and ``"stddev"``: the average and the worst dim's Monte Carlo
+        error that the pooled means (in posterior sds) and sds (relative) stay below with probability
+        0.95 (:meth:`TMCPosterior.mean_error_quantiles`, :meth:`TMCPosterior.stddev_error_quantiles`);
+        ``"<monte carlo error>"`` is untrusted where one passes :data:`MEAN_ERROR_TOLERANCE` or
+        :data:`STDDEV_ERROR_TOLERANCE`.
     """
 
     site_khat: dict[str, float]
@@ -147,6 +175,7 @@ class Diagnostics(NamedTuple):
     site_threshold: dict[str, float] = {}
     num_tests: int = 0
     false_alarm: float = SITE_FALSE_ALARM
+    error_bounds: dict = {}
 
 
 class TMCPosterior:
@@ -244,19 +273,42 @@ class TMCPosterior:
 
         :returns: the ``probability`` quantiles of ``mean |error| / sd`` and of ``max |error| / sd``.
         """
-        weights = self.draw_weights.double()
+        return _error_quantiles(self._influences(stddevs=False), probability, num_samples)
+
+    def stddev_error_quantiles(
+        self, probability: float = 0.95, num_samples: int = 500
+    ) -> tuple[float, float]:
+        """
+        As :meth:`mean_error_quantiles`, for the pooled sds: the average and the worst relative error
+        ``|sd error| / sd`` over every dim of every site, drawn jointly, that the read-out's Monte Carlo
+        error stays below with ``probability``. A sd's error is set by the posterior's fourth moment:
+        a heavy-tailed marginal needs many more effective draws for its sd than for its mean (at a
+        kurtosis of 9.6, the 100-day volatility's ``mean_log_volatility``, about 860 for 5%).
+
+        :returns: the ``probability`` quantiles of ``mean |error| / sd`` and of ``max |error| / sd``.
+        """
+        return _error_quantiles(self._influences(stddevs=True), probability, num_samples)
+
+    def _influences(self, stddevs: bool) -> torch.Tensor:
+        """
+        ``(R, D)``: each draw's linearised influence on every dim's pooled mean (``stddevs=False``) or
+        sd (``stddevs=True``), over the posterior sd; the pooled error is ``sum_r z_r influence_r``.
+        The sd's is the variance's (:func:`pool_moments`) over ``2 sd^2``.
+        """
+        weights = self.draw_weights.double()[:, None]
         influences = []
         for name, moments in self.moments.items():
             firsts = self._stacked("firsts", name).double().reshape(len(self.draws), -1)
+            mean = moments.mean.double().reshape(-1)
             sd = moments.stddev.double().reshape(-1).clamp(min=torch.finfo(torch.float64).tiny)
-            influences.append(weights[:, None] * (firsts - moments.mean.double().reshape(-1)) / sd)
-        influence = torch.cat(influences, -1)  # (R, D): the pooled error is sum_r z_r influence_r
-        generator = torch.Generator().manual_seed(0)
-        normals = torch.randn(num_samples, len(self.draws), dtype=torch.float64, generator=generator)
-        errors = (normals @ influence).abs()
-        average = torch.quantile(errors.mean(-1), probability)
-        worst = torch.quantile(errors.max(-1).values, probability)
-        return float(average), float(worst)
+            if not stddevs:
+                influences.append(weights * (firsts - mean) / sd)
+                continue
+            seconds = self._stacked("seconds", name).double().reshape(len(self.draws), -1)
+            second = (weights * seconds).sum(0)
+            variance_influence = (seconds - second) - 2 * mean * (firsts - mean)
+            influences.append(weights * variance_influence / (2 * sd.square()))
+        return torch.cat(influences, -1)
 
     def _stacked(self, field: str, name: str) -> torch.Tensor:
         return torch.stack([getattr(draw, field)[name] for draw in self.draws])
@@ -410,6 +462,12 @@ class TMCPosterior:
             untrusted.append("<draws>")
         if warn and untrusted:
             self._warn_untrusted(untrusted, khat, khat_draws, limits, elements, false_alarm)
+        bounds = {
+            "mean": self.mean_error_quantiles(ERROR_BOUND_PROBABILITY),
+            "stddev": self.stddev_error_quantiles(ERROR_BOUND_PROBABILITY),
+        }
+        if self._too_uncertain(bounds, warn):
+            untrusted.append("<monte carlo error>")
         if warn and math.isnan(khat_draws):
             warnings.warn(
                 f"TMCPosterior: {len(self.draws)} draws are too few for the draws' k-hat (it needs more than "
@@ -430,7 +488,29 @@ class TMCPosterior:
             limits,
             elements,
             false_alarm,
+            bounds,
         )
+
+    def _too_uncertain(self, bounds: dict, warn: bool) -> bool:
+        """Whether an error bound passes its tolerance; with ``warn``, a warning naming the dims."""
+        passed = {
+            kind: bound
+            for kind, bound, tolerance in (
+                ("means", bounds["mean"], MEAN_ERROR_TOLERANCE),
+                ("sds", bounds["stddev"], STDDEV_ERROR_TOLERANCE),
+            )
+            if bound[0] > tolerance[0] or bound[1] > tolerance[1]
+        }
+        if warn and passed:
+            values = "; ".join(f"{kind} {bound[0]:.3g} / {bound[1]:.3g}" for kind, bound in passed.items())
+            warnings.warn(
+                f"TMCPosterior: the pooled moments' Monte Carlo error (95%, average / worst dim: {values}) "
+                f"is above {MEAN_ERROR_TOLERANCE} posterior sds for the means and {STDDEV_ERROR_TOLERANCE} "
+                "relative for the sds: read out more draws (fit_posterior's max_draws=), or a larger K "
+                "(readout_samples=).",
+                stacklevel=3,
+            )
+        return bool(passed)
 
     def _site_limit(
         self, name: str, khat: float, element: int, count: int, elements: int, false_alarm: float

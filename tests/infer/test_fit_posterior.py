@@ -97,9 +97,12 @@ def test_sample_gives_equal_weight_draws_for_predictive(fitted):
 
 
 def test_diagnostics_trust_a_well_fitted_posterior(fitted):
-    diagnostics = fitted.diagnostics()
+    """Its weights are trusted; its 20 draws leave the means' Monte Carlo error above 0.02 sds: it says so."""
+    with pytest.warns(UserWarning, match="Monte Carlo error"):
+        diagnostics = fitted.diagnostics()
     assert set(diagnostics.site_khat) >= {"theta"} or diagnostics.site_khat
-    assert diagnostics.untrusted == [], diagnostics
+    assert diagnostics.untrusted == ["<monte carlo error>"], diagnostics
+    assert diagnostics.error_bounds["mean"][0] > 0.02
     assert all(value < 0.7 for value in diagnostics.site_khat.values())
     assert 1 <= diagnostics.effective_draws <= len(fitted.draws)
 
@@ -137,7 +140,8 @@ def test_diagnostics_warn_of_too_few_draws_for_their_khat(fitted):
     with pytest.warns(UserWarning, match="too few for the draws' k-hat"):
         diagnostics = few.diagnostics()
     assert math.isnan(diagnostics.khat_draws)
-    enough = TMCPosterior(fitted.model, fitted.draws * 2, fitted.args, fitted.kwargs)  # 40 draws
+    # 320 draws: enough for the draws' k-hat, and for the Monte Carlo error bound (its warning)
+    enough = TMCPosterior(fitted.model, fitted.draws * 16, fitted.args, fitted.kwargs)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert not math.isnan(enough.diagnostics().khat_draws)
@@ -336,6 +340,35 @@ def _pool_of_means(offsets: torch.Tensor) -> TMCPosterior:
         for row in offsets
     ]
     return TMCPosterior(hierarchical_model, draws)
+
+
+def test_the_monte_carlo_flag_follows_the_error_bounds(fitted):
+    """Each draw counted 16 times: the bounds shrink 4x, below the tolerances, and the flag goes."""
+    single = fitted.diagnostics(warn=False).error_bounds
+    repeated = TMCPosterior(fitted.model, fitted.draws * 16, fitted.args, fitted.kwargs)
+    diagnostics = repeated.diagnostics(warn=False)
+    assert "<monte carlo error>" not in diagnostics.untrusted, diagnostics.error_bounds
+    for kind in ("mean", "stddev"):
+        for one, many in zip(single[kind], diagnostics.error_bounds[kind]):
+            assert many == pytest.approx(one / 4, rel=0.15)
+
+
+def test_the_stddev_error_quantiles_are_the_delta_method_s():
+    """
+    400 equal draws of one dim, means 0 and second moments 1 + 0.2 z_r: the pooled variance is 1 with
+    standard error 0.2 / 20 = 0.01, so the sd's relative error is 0.005 and its 95% bound 1.96 x 0.005.
+    """
+    from pyro_tmc.infer.tmc_posterior import ReadoutDraw
+
+    torch.manual_seed(0)
+    spread = torch.randn(400, 1, dtype=torch.float64)
+    spread = (spread - spread.mean()) / spread.std()
+    draws = [
+        ReadoutDraw(torch.tensor(0.0, dtype=torch.float64), {"x": torch.zeros(1)}, {"x": 1 + 0.2 * z}, {}, {})
+        for z in spread
+    ]
+    average, worst = TMCPosterior(hierarchical_model, draws).stddev_error_quantiles()
+    assert average == pytest.approx(1.96 * 0.005, rel=0.1) and worst == pytest.approx(average)
 
 
 def test_the_mean_error_quantiles_see_correlated_dims():
