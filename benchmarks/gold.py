@@ -951,7 +951,9 @@ KHAT_HEADER = (
     'k-hat: the largest Pareto k-hat of fit_posterior\'s diagnostics, "flagged" where they do not trust '
     "the row: the draws' k-hat above 0.7, or a site's above the site limit in the note "
     "(`family_khat_threshold`: 0.7 plus the allowance for the largest of that many k-hats, so that a "
-    "posterior whose true k is at most 0.7 everywhere is flagged with probability 5%)."
+    "posterior whose true k is at most 0.7 everywhere is flagged with probability 5%), or the read-out's "
+    'Monte Carlo error bound (95%; the note\'s "MC error", means then sds) above the targets '
+    '("untrusted: <monte carlo error>").'
 )
 
 #: the comment line of a written table that holds NUTS's timelines (JSON)
